@@ -1,0 +1,342 @@
+"""Qwen3 dense target model: Hugging Face checkpoints loaded through safetensors into our own modules.
+
+The forward takes token ids, their RoPE positions and the cache slots their K/V go to (they differ in a tree
+verify: a node at depth d sits at position start + d but in slot start + row), attends through FlexAttention
+with a mask from tree_attn.py, and returns float32 logits for the requested rows plus, on request, the outputs
+of chosen layers (the drafter's context features). Batch size 1; the K/V cache is static, one buffer per layer.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch.nn.attention.flex_attention import flex_attention
+
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint discovery and config
+
+
+def resolve_checkpoint(path_or_repo: str, what: str = "checkpoint") -> str:
+    """A local directory, or a Hugging Face repo id fetched (config, weights, tokenizer only) into the cache."""
+    if os.path.isdir(path_or_repo):
+        if not os.path.isfile(os.path.join(path_or_repo, "config.json")):
+            raise ValueError(f"{what} directory {path_or_repo!r} has no config.json")
+        return path_or_repo
+    looks_like_repo = path_or_repo.count("/") == 1 and not path_or_repo.startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise ValueError(f"{what} {path_or_repo!r}: no such directory (and not a Hugging Face repo id 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path_or_repo, allow_patterns=HUB_FILES)
+    except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user
+        raise ValueError(f"{what} {path_or_repo!r}: not a local directory and could not be fetched from the "
+                         f"Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def parse_dtype(dtype, device) -> torch.dtype:
+    """bf16 on CUDA and fp32 elsewhere unless asked; accepts torch dtypes and their names."""
+    if dtype is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return names[dtype]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config.json") -> "Qwen3Config":
+        """Reads every value from the file (transformers v4 and v5 layouts); refuses what we would get wrong."""
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(missing)}")
+        heads = d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        rope = d.get("rope_parameters") or {}  # v5
+        scaling = d.get("rope_scaling") or {}  # v4
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise ValueError(f"{where}: rope scaling type {rope_type!r} is not supported (only plain RoPE)")
+        theta = rope.get("rope_theta", d.get("rope_theta"))
+        if theta is None:
+            raise ValueError(f"{where}: no rope_theta (neither rope_theta nor rope_parameters.rope_theta)")
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{where}: use_sliding_window=true is not supported")
+        if d.get("attention_bias"):
+            raise ValueError(f"{where}: attention_bias=true is not supported (Qwen3 has no attention biases)")
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), max_position_embeddings=d.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+
+
+def check_qwen3_config(d: dict, where: str):
+    model_type, archs = d.get("model_type"), d.get("architectures") or []
+    if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+        raise ValueError(f"{where}: not a Qwen3 checkpoint (model_type={model_type!r}, architectures={archs})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # As Qwen3: normalize in float32, cast back, then scale (the order matters in bf16).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE. x: [1, heads, Q, head_dim]; cos/sin: [Q, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def project_kv(self, x, cos, sin):
+        """K (normed, roped) and V of rows x [Q, hidden] as [1, kv_heads, Q, head_dim]."""
+        q_len = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(q_len, self.kv_heads, self.head_dim)).transpose(0, 1)[None]
+        v = self.v_proj(x).view(q_len, self.kv_heads, self.head_dim).transpose(0, 1)[None]
+        return apply_rope(k, cos, sin), v
+
+    def write_kv(self, x, cos, sin, cache_pos):
+        k, v = self.project_kv(x, cos, sin)
+        self.k_cache.index_copy_(2, cache_pos, k)
+        self.v_cache.index_copy_(2, cache_pos, v)
+
+    def forward(self, x, cos, sin, cache_pos, block_mask):
+        q_len = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(q_len, self.heads, self.head_dim)).transpose(0, 1)[None]
+        q = apply_rope(q, cos, sin)
+        self.write_kv(x, cos, sin, cache_pos)
+        out = flex_attention(q, self.k_cache, self.v_cache, block_mask=block_mask, scale=self.head_dim ** -0.5,
+                             enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One pre-norm Qwen3 decoder layer (also the DFlash drafter's layer, whose attention differs only in K/V)."""
+
+    def __init__(self, c: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                   c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, cos, sin, cache_pos, block_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_pos, block_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, None), persistent=False)
+        self.cache_len = 0
+        self.eos_ids: list[int] = []
+        self.path: str | None = None
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    def setup_cache(self, length: int):
+        """Allocate (or reuse) one K and one V buffer per layer for `length` slots (a multiple of 128)."""
+        if length == self.cache_len:
+            return
+        c = self.config
+        for layer in self.layers:
+            attn = layer.self_attn
+            shape = (1, c.num_key_value_heads, length, c.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cache_len = length
+
+    def kv_caches(self):
+        for layer in self.layers:
+            yield layer.self_attn.k_cache
+            yield layer.self_attn.v_cache
+
+    def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=()):
+        """tokens, input_pos, cache_pos: [Q] int64. Returns (float32 logits [len(logits_rows) or Q, V],
+        features [Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers, concatenated."""
+        x = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(input_pos, self.inv_freq, x.dtype)
+        features = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache_pos, block_mask)
+            if i in feature_layers:
+                features.append(x)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        logits = self.lm_head(self.norm(x)).float()
+        return logits, (torch.cat(features, dim=-1) if features else None)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo: str, device=None, dtype=None) -> "Qwen3":
+        path = resolve_checkpoint(path_or_repo, "target")
+        raw = read_json(os.path.join(path, "config.json"))
+        where = os.path.join(path, "config.json")
+        check_qwen3_config(raw, where)
+        config = Qwen3Config.from_dict(raw, where)
+        device = device or default_device()
+        dtype = parse_dtype(dtype, device)
+        with torch.device("meta"):
+            model = cls(config)
+        skip = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        load_weights(model, path, strip_prefix="model.", device=device, dtype=dtype, skip=skip)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, device)
+        model.eos_ids = eos_ids_of(path, raw)
+        model.path = path
+        return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weights
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        shards = sorted(set(read_json(index)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors is loaded)")
+
+
+def load_weights(model: nn.Module, path: str, strip_prefix: str, device, dtype, skip=frozenset()):
+    """Stream every tensor from the safetensors files straight into `dtype` on `device`.
+
+    The model was built on the meta device, so the only host copies are one tensor at a time: an 8B bf16
+    checkpoint never materializes in fp32. Missing or unexpected tensors are errors, not silent random weights.
+    """
+    wanted = {name: p for name, p in model.named_parameters()}
+    wanted.update((name, b) for name, b in model.named_buffers() if name != "inv_freq")
+    loaded = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = key[len(strip_prefix):] if key.startswith(strip_prefix) else key
+                if name in skip or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name not in wanted:
+                    raise ValueError(f"{file}: unexpected tensor {key!r} (is this the right kind of checkpoint?)")
+                t = f.get_tensor(key)
+                if tuple(t.shape) != tuple(wanted[name].shape):
+                    raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
+                                     f"{tuple(wanted[name].shape)}")
+                loaded[name] = t.to(device=device, dtype=dtype)
+                del t
+    missing = sorted(set(wanted) - set(loaded) - set(skip))
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"{path}: some weights were not loaded")
+
+
+def eos_ids_of(path: str, config: dict) -> list[int]:
+    """End-of-sequence ids: generation_config.json first (Qwen3 lists <|im_end|> and <|endoftext|>), then config."""
+    ids = []
+    for source in (os.path.join(path, "generation_config.json"), None):
+        d = read_json(source) if source and os.path.isfile(source) else (config if source is None else {})
+        eos = d.get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    return list(dict.fromkeys(ids))

@@ -1,0 +1,106 @@
+"""Writing checkpoints in the real formats: a byte-level BPE tokenizer, Qwen3 (Hugging Face layout) and DFlash
+(z-lab layout) files. Used by the training scripts, the random-pair script and the tests' fixtures."""
+
+import glob
+import json
+import os
+import sysconfig
+
+import torch
+from safetensors.torch import save_file
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+
+# A Qwen3-style template: user/assistant turns, generation prompt; thinking is off (no <think> tokens here).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def stdlib_files(held_out_every: int = 0):
+    """The Python standard library's own .py sources: a corpus every machine with Python has."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                   if "site-packages" not in f and "/test" not in f and "idlelib" not in f)
+    if not held_out_every:
+        return files, []
+    return ([f for i, f in enumerate(files) if i % held_out_every],
+            [f for i, f in enumerate(files) if i % held_out_every == 0])
+
+
+def train_tokenizer(files, vocab_size: int, out_dir: str, chat_template: str = CHAT_TEMPLATE):
+    """Byte-level BPE with the chat and mask tokens; writes tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train(files, trainer)
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "bos_token": None, "model_max_length": 4096}
+    if chat_template:
+        config["chat_template"] = chat_template
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return tok
+
+
+def qwen3_config(vocab_size, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=32, max_pos=4096,
+                 tie=False, eos=(2, 0), v5=False) -> dict:
+    c = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
+         "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+         "rms_norm_eps": 1e-6, "max_position_embeddings": max_pos, "tie_word_embeddings": tie,
+         "attention_bias": False, "use_sliding_window": False, "hidden_act": "silu",
+         "bos_token_id": eos[1], "eos_token_id": list(eos)}
+    if v5:
+        c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, dtype="float32")
+    else:
+        c.update(rope_theta=1e6, rope_scaling=None, torch_dtype="float32")
+    return c
+
+
+def random_qwen3_weights(c: dict, seed: int = 0, std: float = 0.05) -> dict:
+    """Random weights with Hugging Face's tensor names for a Qwen3 config dict."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    w = {"model.embed_tokens.weight": rand(c["vocab_size"], H), "model.norm.weight": 1 + rand(H)}
+    for i in range(c["num_hidden_layers"]):
+        w.update(layer_weights(f"model.layers.{i}.", H, I, nh, nkv, hd, rand))
+    if not c["tie_word_embeddings"]:
+        w["lm_head.weight"] = rand(c["vocab_size"], H)
+    return w
+
+
+def layer_weights(prefix, H, I, nh, nkv, hd, rand) -> dict:
+    names = {"self_attn.q_proj.weight": (nh * hd, H), "self_attn.k_proj.weight": (nkv * hd, H),
+             "self_attn.v_proj.weight": (nkv * hd, H), "self_attn.o_proj.weight": (H, nh * hd),
+             "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
+    w = {prefix + n: rand(*s) for n, s in names.items()}
+    for n, d in (("input_layernorm", H), ("post_attention_layernorm", H), ("self_attn.q_norm", hd),
+                 ("self_attn.k_norm", hd)):
+        w[prefix + n + ".weight"] = 1 + rand(d)
+    return w
+
+
+def save_checkpoint(out_dir: str, config: dict, weights: dict, eos_ids=None):
+    """config.json + model.safetensors (+ generation_config.json with the stop ids)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    if eos_ids is not None:
+        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": list(eos_ids), "do_sample": False}, f, indent=2)

@@ -1,0 +1,85 @@
+"""Attention masks as FlexAttention BlockMasks, and KV compaction.
+
+Every attention call in the engine (prefill, decode, tree verify, the drafter's block) is the same shape of
+problem: `q_len` new rows whose K/V were just written into cache slots [prefix, prefix + q_len). Row i may see
+every committed slot below `prefix` and the new slots prefix + j for which allow[i, j] holds:
+
+    causal prefill / decode : allow = lower-triangular
+    tree verify             : allow = ancestor-or-self matrix of the draft tree
+    drafter block           : allow = all ones (bidirectional block over the context)
+
+So one mask_mod serves everything. It reads `prefix` and `allow` from tensors that are updated in place each
+round: a compiled kernel guards on the tensors' identity and shape, not their values, so new trees and new
+prefix lengths never recompile. We build the BlockMask from block tables ourselves (`from_kv_blocks`) rather than
+calling `create_block_mask`, which fails to compile on CPU for this kind of mask_mod (REFERENCE.md §5), and we
+only shorten the list of KV blocks to visit (a tensor, also updated in place) as the prefix grows.
+"""
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+BLOCK = 128  # FlexAttention's tile; cache lengths are rounded up to a multiple of it
+
+
+def round_up(n: int, multiple: int = BLOCK) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class PrefixMask:
+    """The mask for `q_len` rows written at slots [prefix, prefix + q_len) of a `kv_len`-slot cache."""
+
+    def __init__(self, q_len: int, kv_len: int, device):
+        assert kv_len % BLOCK == 0, "cache length must be a multiple of the FlexAttention block"
+        self.q_len, self.kv_len = q_len, kv_len
+        self.prefix = torch.zeros((), dtype=torch.int64, device=device)
+        self.allow = torch.zeros(q_len, q_len, dtype=torch.bool, device=device)
+        n_q, n_kv = -(-q_len // BLOCK), kv_len // BLOCK
+        self.kv_num_blocks = torch.full((1, 1, n_q), n_kv, dtype=torch.int32, device=device)
+        kv_indices = torch.arange(n_kv, dtype=torch.int32, device=device).expand(1, 1, n_q, n_kv).contiguous()
+        # No block is "full" (mask-free): the mask_mod decides everything. The C++ kernel wants these tensors
+        # present and distinct from kv_indices (REFERENCE.md §5).
+        full_num = torch.zeros(1, 1, n_q, dtype=torch.int32, device=device)
+        full_idx = torch.zeros(1, 1, n_q, n_kv, dtype=torch.int32, device=device)
+        prefix, allow, last = self.prefix, self.allow, q_len - 1
+
+        def mask_mod(b, h, q, kv):
+            rel = kv - prefix
+            new = (rel >= 0) & (rel <= last)
+            return (kv < prefix) | (new & allow[q.clamp(0, last), rel.clamp(0, last)])
+
+        self.mask_mod = mask_mod
+        self.block_mask = BlockMask.from_kv_blocks(
+            self.kv_num_blocks, kv_indices, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+            seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+
+    def set(self, prefix, allow: torch.Tensor | None = None):
+        """Point the mask at a new prefix length (int or 0-d tensor) and, optionally, a new allow matrix."""
+        self.prefix.copy_(torch.as_tensor(prefix, dtype=torch.int64))
+        if allow is not None:
+            self.allow.copy_(allow)
+        # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len).
+        blocks = (self.prefix + self.q_len + BLOCK - 1) // BLOCK
+        self.kv_num_blocks.copy_(blocks.clamp(max=self.kv_len // BLOCK).to(torch.int32).expand_as(self.kv_num_blocks))
+        return self.block_mask
+
+    def dense(self) -> torch.Tensor:
+        """The same mask as a dense [q_len, kv_len] boolean matrix (for tests and SDPA)."""
+        q = torch.arange(self.q_len, device=self.prefix.device)[:, None]
+        kv = torch.arange(self.kv_len, device=self.prefix.device)[None, :]
+        return self.mask_mod(0, 0, q, kv)
+
+
+def causal(n: int, device=None) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def compact_kv(caches, prefix, rows: torch.Tensor):
+    """Move the K/V of the accepted rows (slots prefix + rows) to contiguous slots prefix + 0, 1, ...
+
+    `rows` has a fixed length (padded with anything: the slots they land in lie beyond the new prefix and are
+    never attended before being overwritten), so this compiles to one gather and one scatter per cache.
+    """
+    src = prefix + rows
+    dst = prefix + torch.arange(rows.numel(), device=rows.device)
+    for cache in caches:
+        cache.index_copy_(2, dst, cache.index_select(2, src))
