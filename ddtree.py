@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,9 @@ import torch
 from model import Qwen3, read_json
 from sampler import Sampling, draw_noise, sample, warp_probs
 from tree_attn import PrefixMask, causal, round_up
+
+# Eager FlexAttention (the uncompiled path, used on CPU and in tests) warns that it materializes scores: we know.
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 PREFILL_CHUNK = 128  # prompt rows per target forward; fixed so one compiled graph serves every prompt length
 METHODS = ("ddtree", "dflash", "ar")

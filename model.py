@@ -238,11 +238,11 @@ class Qwen3(nn.Module):
         if length == self.cache_len:
             return
         c = self.config
-        for layer in self.layers:
-            attn = layer.self_attn
-            shape = (1, c.num_key_value_heads, length, c.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        shape = (1, c.num_key_value_heads, length, c.head_dim)
+        with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
+            for layer in self.layers:
+                layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cache_len = length
 
     def kv_caches(self):

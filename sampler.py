@@ -1,0 +1,178 @@
+"""Logits warping, sync-free sampling, and the lossless verification rules.
+
+Everything here runs inside torch.compile'd code (fullgraph=True): no `.item()`, no Python branching on tensor
+values. Branching on the `Sampling` fields is fine: they are Python constants, baked into the graph.
+
+All randomness comes in as explicit tensors (Exponential(1) noise for categorical draws, uniforms for accept
+tests) drawn outside compiled code from a seeded torch.Generator, so that compiled code, eager code and the
+plain-Python reference verifiers in tests/test_sampler.py can be fed identical randomness and compared exactly.
+
+Two verification rules (REFERENCE.md §4):
+  - verify_chain_sampled: drafts sampled from q; accept with prob min(1, p/q), on rejection resample from the
+    residual max(0, p - q). Output law = p.
+  - walk_tree: deterministic candidates (greedy, argmax chains, top-K trees): draw the target's own token at
+    every node (argmax, or a warped sample), follow the child equal to it, else emit it and stop. Output law = p.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off; must be in (0, 1]
+    min_p: float = 0.0  # 0 = off; must be in [0, 1]
+
+    def __post_init__(self):
+        def real(name, v):
+            # bool is an int subclass, but `temperature=True` is certainly a mistake
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise ValueError(f"{name} must be a real number, got {v!r}")
+
+        real("temperature", self.temperature)
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        real("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        real("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# -------------------------------------------------------------------------------------------------- warping
+
+
+def warp_logits(logits: Tensor, s: Sampling) -> Tensor:
+    """Hugging Face order: temperature, top-k, top-p, min-p. float32; tokens outside the support are -inf.
+
+    Needs at least one finite logit per row. Greedy keeps only the argmax (first index on ties), so the
+    warped support of a greedy row is exactly the token greedy decoding emits.
+    """
+    x = logits.float()
+    NEG = float("-inf")
+    if s.greedy:
+        best = x.argmax(-1, keepdim=True)
+        return torch.full_like(x, NEG).scatter(-1, best, x.gather(-1, best))
+    x = x / s.temperature
+    V = x.shape[-1]
+    if 0 < s.top_k < V:
+        # keep everything >= the k-th largest: ties at the threshold stay (same as HF TopKLogitsWarper)
+        kth = x.topk(s.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, NEG)
+    if s.top_p < 1:
+        x = x.masked_fill(_mass_above(x.softmax(-1)) >= s.top_p, NEG)
+    if s.min_p > 0:
+        probs = x.softmax(-1)  # renormalized over what the earlier filters kept
+        x = x.masked_fill(probs < s.min_p * probs.amax(-1, keepdim=True), NEG)
+    return x
+
+
+def _mass_above(probs: Tensor) -> Tensor:
+    """Total probability of the tokens strictly more probable than each token.
+
+    A top-p token is kept iff this is < top_p; the top token (mass 0 above it) is always kept. Tokens with
+    exactly equal probability count as one rank, so a tied group at the boundary is kept or dropped together:
+    the filter does not depend on how the sort orders ties (HF's does; it is the only place the two differ).
+    """
+    sp, order = probs.sort(-1, descending=True)
+    before = torch.cat([torch.zeros_like(sp[..., :1]), sp.cumsum(-1)[..., :-1]], -1)  # exclusive prefix sums
+    # Inside a tied run use the value at the run's first element: prefix sums never decrease, so a running max
+    # over "value at run starts, 0 elsewhere" carries the run start's value along the run.
+    start = torch.ones_like(sp, dtype=torch.bool)
+    start[..., 1:] = sp[..., 1:] != sp[..., :-1]
+    before = torch.where(start, before, torch.zeros_like(before)).cummax(-1).values
+    return torch.empty_like(before).scatter(-1, order, before)
+
+
+def warp_probs(logits: Tensor, s: Sampling) -> Tensor:
+    """softmax(warp_logits): for greedy this is the one-hot of the argmax (first max index)."""
+    return warp_logits(logits, s).softmax(-1)
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+
+
+def draw_noise(shape, generator: torch.Generator, device) -> Tensor:
+    """Exponential(1) noise for `sample`, float32. Call outside compiled code; the generator's device = device."""
+    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
+
+
+def sample(probs: Tensor, noise: Tensor) -> Tensor:
+    """Categorical draw over the last dim without a host sync: the exponential race argmax(probs / E).
+
+    P(argmax = i) = probs_i / sum(probs) exactly, for E_i ~ Exponential(1) iid, so `probs` need not be normalized.
+    Zero-probability tokens are masked out explicitly: 0 / 0 (noise can be exactly 0) is NaN, and argmax would
+    pick it. Needs at least one positive entry per row.
+    """
+    score = torch.where(probs > 0, probs / noise, torch.full_like(probs, -1.0))
+    return score.argmax(-1)
+
+
+# ------------------------------------------------------------------------------------------- verification
+
+
+def verify_chain_sampled(p: Tensor, q: Tensor, drafts: Tensor, accept_u: Tensor, noise: Tensor):
+    """Speculative sampling (rejection + residual) on a chain of L sampled drafts.
+
+    p: [L+1, V] warped target probs (row i: after i drafts; row L gives the bonus token), q: [L, V] warped
+    draft probs, drafts: [L] long with drafts[i] ~ q[i], accept_u: [L] Uniform[0, 1), noise: [L+1, V] Exp(1).
+    Returns (n_accepted, next_token), both 0-d long: drafts[:n_accepted] are accepted and next_token follows.
+
+    Draft i is accepted iff accept_u[i] * q_i(x) < p_i(x) (= prob min(1, p/q), never divides; q(x) = 0 accepts
+    iff p(x) > 0). The product is taken in float64, where a product of two float32 numbers is exact, so the test
+    is exactly u < p/q and the reference verifier can reproduce it bit for bit. Rejection at j: next_token ~
+    max(0, p_j - q_j) with noise[j]; if that residual is all zero (p_j <= q_j everywhere, only possible through
+    rounding) it falls back to p_j. All L accepted: next_token ~ p_L with noise[L].
+    """
+    L = drafts.shape[0]
+    d = drafts.unsqueeze(-1)
+    px = p[:L].gather(-1, d).squeeze(-1).double()
+    qx = q.gather(-1, d).squeeze(-1).double()
+    accept = accept_u.double() * qx < px
+    n = accept.long().cumprod(0).sum()  # length of the leading run of accepts
+    resid = (p[:L] - q).clamp_min(0)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p[:L])
+    # Draw a candidate at every position (static shapes) and pick the one where the chain stopped.
+    cand = sample(torch.cat([resid, p[L:]], 0), noise)
+    # gather, not cand[n]: indexing with a 0-d tensor would become .item() under torch.compile
+    return n, cand.gather(0, n.view(1)).squeeze(0)
+
+
+def walk_tree(parents: Tensor, tokens: Tensor, target: Tensor, max_depth: int):
+    """Follow the target's own tokens down a draft tree.
+
+    Rows 0..B: row 0 is the root (the bonus token), row i+1 is node i, with token tokens[i] and parent row
+    parents[i] (< i+1: parents precede children; siblings have distinct tokens; padded nodes have parent -1 and
+    are never accepted). target: [B+1] the target's token at each row (argmax or warped sample). The tree's
+    depth must be <= max_depth (deeper nodes are never accepted).
+
+    Returns path [max_depth+1] (accepted rows from the root down, path[0] = 0, padded with 0), length (0-d,
+    = 1 + accepted nodes) and next_token = target[last accepted row]; all long.
+    """
+    B = parents.shape[0]
+    real = parents >= 0
+    par = parents.clamp_min(0)
+    match = real & (tokens == target[par])  # node's token is what the target chose at its parent
+    acc = torch.zeros(B + 1, dtype=torch.bool, device=parents.device)
+    acc[0] = True
+    # Round k settles every node of depth <= k: accepted iff its parent is accepted and it matches.
+    for _ in range(max_depth):
+        acc = torch.cat([acc[:1], acc[par] & match])
+    rows = torch.arange(B + 1, device=parents.device)
+    # Parents precede children, so the accepted rows in index order are the path in depth order.
+    slot = torch.where(acc, acc.long().cumsum(0) - 1, max_depth + 1)  # rejected rows go to a scratch slot
+    path = torch.zeros(max_depth + 2, dtype=torch.long, device=parents.device).scatter(0, slot, rows)
+    last = torch.where(acc, rows, 0).amax()
+    return path[: max_depth + 1], acc.long().sum(), target.gather(0, last.view(1)).squeeze(0)
