@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_tree import ancestor_matrix, build_tree, format_tree
+from drafter import DFlashDrafter
 from model import Qwen3, read_json
-from sampler import Sampling, draw_noise, sample, warp_probs
-from tree_attn import PrefixMask, causal, round_up
+from sampler import Sampling, draw_noise, sample, verify_chain_sampled, walk_tree, warp_probs
+from tree_attn import PrefixMask, causal, compact_kv, round_up
 
 # Eager FlexAttention (the uncompiled path, used on CPU and in tests) warns that it materializes scores: we know.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -50,35 +52,56 @@ class Engine:
     """Everything that must keep its identity across calls so compiled graphs are reused: the caches (sized once
     for `max_seq_len`), the masks whose tensors are updated in place, and the step functions."""
 
-    def __init__(self, target: Qwen3, sampling: Sampling, max_seq_len: int, compile: bool):
-        self.target, self.sampling = target, sampling
+    def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, budget: int, sampling: Sampling,
+                 max_seq_len: int, compile: bool, draft_temperature: float = 1.0, draft_sampling: bool = False,
+                 denoise_steps: int = 1):
+        self.target, self.drafter, self.method, self.sampling = target, drafter, method, sampling
         self.device = target.device
         self.max_seq_len = max_seq_len
+        self.draft_temperature, self.denoise_steps = draft_temperature, denoise_steps
+        # Sampled drafts need the min(1, p/q) rule; greedy decoding and trees use deterministic candidates.
+        self.draft_sampling = draft_sampling and method == "dflash" and not sampling.greedy
         target.setup_cache(max_seq_len)
         self.prefill_mask = PrefixMask(PREFILL_CHUNK, max_seq_len, self.device)
         self.prefill_mask.allow.copy_(causal(PREFILL_CHUNK))
         self.decode_mask = PrefixMask(1, max_seq_len, self.device)
         self.decode_mask.allow.fill_(True)
-        self.prefill_step, self.decode_step = self._prefill_step, self._decode_step
+        self.feature_layers = ()
+        if drafter is not None:
+            drafter.setup_cache(max_seq_len)
+            self.feature_layers = tuple(drafter.config.target_layer_ids)
+            self.depth = drafter.block_size - 1  # L: draft positions per round
+            self.nodes = budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
+            self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device)
+            self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
+            self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device)
+        self.prefill_step, self.decode_step, self.round = self._prefill_step, self._decode_step, self._round
         if compile:
-            # One graph per fixed shape (prefill chunk, decode step). dynamic=False: a graph that went dynamic on
-            # the query length fails to build on CPU (REFERENCE.md §5). CUDA graphs where available.
+            # One graph per fixed shape (prefill chunk, decode step, round). dynamic=False: a graph that went
+            # dynamic on the query length fails to build on CPU (REFERENCE.md §5). CUDA graphs where available.
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self.prefill_step = torch.compile(self._prefill_step, dynamic=False, fullgraph=True, mode=mode)
-            self.decode_step = torch.compile(self._decode_step, dynamic=False, fullgraph=True, mode=mode)
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.prefill_step, self.decode_step, self.round = (
+                torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
+                for f in (self._prefill_step, self._decode_step, self._round))
 
     def pick(self, logits, noise):
-        """The target's next token from float32 logits [R, V]: argmax when greedy, else a warped sample."""
+        """The target's token at each row of float32 logits [R, V]: argmax when greedy, else a warped sample."""
         if self.sampling.greedy:
             return logits.argmax(-1)
         return sample(warp_probs(logits, self.sampling), noise)
+
+    # -- prefill and plain decoding ------------------------------------------------------------------------------
 
     def _prefill_step(self, tokens, start, last_row, noise):
         """Run PREFILL_CHUNK prompt rows at positions start.. (rows past the prompt are padding: they write K/V
         beyond the prompt that nothing reads before it is overwritten). Returns the token after `last_row`."""
         pos = start + torch.arange(PREFILL_CHUNK, device=tokens.device)
         mask = self.prefill_mask.set(start)
-        logits, _ = self.target(tokens, pos, pos, mask, logits_rows=last_row)
+        logits, features = self.target(tokens, pos, pos, mask, logits_rows=last_row,
+                                       feature_layers=self.feature_layers)
+        if self.drafter is not None:  # the prompt is the drafter's first context
+            self.drafter.append_context(features, pos, pos)
         return self.pick(logits, noise), torch.isfinite(logits).all()
 
     def _decode_step(self, token, pos, noise):
@@ -86,33 +109,85 @@ class Engine:
         logits, _ = self.target(token, pos, pos, mask)
         return self.pick(logits, noise), torch.isfinite(logits).all()
 
-    def noise(self, rows: int, generator):
-        if self.sampling.greedy:
-            return None
-        return draw_noise((rows, self.target.config.vocab_size), generator, self.device)
-
     def prefill(self, prompt: torch.Tensor, generator):
-        """Fill the cache with the prompt; returns the first new token (sampled from the last prompt row)."""
+        """Fill the caches with the prompt; returns the first new token (sampled from the last prompt row)."""
         n = prompt.numel()
         padded = torch.zeros(round_up(n, PREFILL_CHUNK), dtype=torch.long, device=self.device)
         padded[:n] = prompt
         for start in range(0, n, PREFILL_CHUNK):
             last = torch.tensor([min(n - 1 - start, PREFILL_CHUNK - 1)], device=self.device)
-            noise = self.noise(1, generator)
-            token, finite = self.prefill_step(padded[start:start + PREFILL_CHUNK], torch.tensor(start, device=self.device),
-                                              last, noise)
+            token, finite = self.prefill_step(padded[start:start + PREFILL_CHUNK],
+                                              torch.tensor(start, device=self.device), last, self.noise(1, generator))
         return token, finite
+
+    # -- one speculative round: draft -> tree -> verify -> accept -> commit --------------------------------------
+
+    def _round(self, bonus, start, noise, accept_u, draft_noise):
+        """bonus: [1] the last token the target chose, not yet in its cache; start: 0-d, its position (= the
+        committed length). Returns the committed rows' tokens [L + 1] (valid up to `length`), length, the next
+        bonus, whether the target's logits were finite, and the tree (for --show-tree)."""
+        L = self.depth
+        # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [L, V].
+        draft_logits = self.drafter.draft(bonus, start, self.draft_mask.set(start), self.denoise_steps)
+        # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash).
+        tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
+        # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors.
+        rows = torch.cat([bonus.view(1), tokens])
+        pos = start + torch.cat([depths.new_zeros(1), depths])
+        slots = start + torch.arange(self.nodes + 1, device=rows.device)
+        mask = self.verify_mask.set(start, ancestor_matrix(parents, L))
+        logits, features = self.target(rows, pos, slots, mask, feature_layers=self.feature_layers)
+        # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
+        if self.draft_sampling:
+            p = warp_probs(logits, self.sampling)
+            accepted, next_token = verify_chain_sampled(p, q, tokens, accept_u, noise)
+            path, length = torch.arange(L + 1, device=rows.device), accepted + 1
+        else:
+            path, length, next_token = walk_tree(parents, tokens, self.pick(logits, noise), L)
+        # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
+        compact_kv(self.target.kv_caches(), start, path)
+        self.drafter.append_context(features[path], pos[path], start + torch.arange(L + 1, device=rows.device))
+        return rows[path], length, next_token, torch.isfinite(logits).all(), (tokens, parents, depths, path)
+
+    def propose(self, draft_logits, draft_noise):
+        """(tokens, parents, depths, q): the nodes in parent-first order; q the warped draft law when the chain's
+        drafts are sampled (for the min(1, p/q) rule), else None."""
+        L = self.depth
+        if self.method == "ddtree":
+            logq = torch.log_softmax(draft_logits / self.draft_temperature, dim=-1)
+            return (*build_tree(logq, self.nodes), None)
+        chain_parents = torch.arange(L, device=draft_logits.device)  # node i hangs under row i
+        depths = chain_parents + 1
+        if self.draft_sampling:
+            q = warp_probs(draft_logits, self.sampling)
+            return sample(q, draft_noise), chain_parents, depths, q
+        return draft_logits.argmax(-1), chain_parents, depths, None
+
+    def noise(self, rows: int, generator):
+        if self.sampling.greedy:
+            return None
+        return draw_noise((rows, self.target.config.vocab_size), generator, self.device)
+
+    def round_randomness(self, generator):
+        """The round's noise, drawn outside the compiled graph from the seeded generator."""
+        if self.sampling.greedy:
+            return None, None, None
+        noise = self.noise(self.nodes + 1, generator)
+        if not self.draft_sampling:
+            return noise, None, None
+        accept_u = torch.rand(self.depth, generator=generator, device=self.device)
+        return noise, accept_u, self.noise(self.depth, generator)
 
 
 _ENGINES: dict = {}
 
 
-def get_engine(target, sampling, max_seq_len, compile) -> Engine:
-    """Engines are cached per (model, settings) so repeated generate() calls reuse caches and compiled graphs."""
-    key = (id(target), sampling, max_seq_len, compile)
+def get_engine(target, drafter, method, budget, sampling, max_seq_len, compile, **options) -> Engine:
+    """Engines are cached per (models, settings) so repeated generate() calls reuse caches and compiled graphs."""
+    key = (id(target), id(drafter), method, budget, sampling, max_seq_len, compile, tuple(sorted(options.items())))
     if key not in _ENGINES:
         _ENGINES.clear()  # one live engine at a time: caches can be large
-        _ENGINES[key] = Engine(target, sampling, max_seq_len, compile)
+        _ENGINES[key] = Engine(target, drafter, method, budget, sampling, max_seq_len, compile, **options)
     return _ENGINES[key]
 
 
@@ -124,6 +199,7 @@ def get_engine(target, sampling, max_seq_len, compile) -> Engine:
 class Result:
     tokens: list[int]
     stats: dict = field(default_factory=dict)
+    trees: list = field(default_factory=list)  # with show_tree: (tokens, parents, depths, path, length) per round
 
 
 def cache_length(prompt_len: int, max_new_tokens: int, extra: int) -> int:
@@ -132,21 +208,17 @@ def cache_length(prompt_len: int, max_new_tokens: int, extra: int) -> int:
     return round_up(max(need, 1024), 1024)
 
 
-def generate(target: Qwen3, drafter=None, prompt_ids=None, method: str = "ddtree", budget: int = 512,
-             max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             min_p: float = 0.0, seed: int | None = None, stop_ids=None, compile: bool = False,
-             on_tokens=None) -> Result:
-    """Generate up to `max_new_tokens` after `prompt_ids` (list of ints or 1-D tensor). See DESIGN.md.
-
-    on_tokens(list[int]) is called with the tokens committed by each round (for streaming)."""
+def check_request(target, drafter, prompt, method, budget, max_new_tokens, seed, draft_temperature, denoise_steps):
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_int("budget", budget, 1)
+    check_int("denoise_steps", denoise_steps, 1)
     if seed is not None:
         check_int("seed", seed, 0)
-    prompt = torch.as_tensor(prompt_ids if prompt_ids is not None else [], dtype=torch.long).flatten()
+    if not (isinstance(draft_temperature, (int, float)) and draft_temperature > 0 and
+            draft_temperature < float("inf")):
+        raise ValueError(f"draft_temperature must be a positive number, got {draft_temperature!r}")
     if prompt.numel() == 0:
         raise ValueError("the prompt is empty")
     vocab = target.config.vocab_size
@@ -156,37 +228,90 @@ def generate(target: Qwen3, drafter=None, prompt_ids=None, method: str = "ddtree
     if prompt.numel() + max_new_tokens > limit:
         raise ValueError(f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"target's max_position_embeddings ({limit})")
-    stop = set(target.eos_ids if stop_ids is None else stop_ids)
     if method != "ar":
-        raise ValueError(f"method {method!r} needs a drafter, which this build does not have yet; use --method ar")
+        if drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        drafter.bind(target)
+        if method == "ddtree" and budget > MAX_BUDGET:
+            raise ValueError(f"budget {budget} is beyond what one verify can hold (at most {MAX_BUDGET} nodes)")
+
+
+def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
+             budget: int = 512, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop_ids=None, compile: bool = False,
+             on_tokens=None, draft_temperature: float = 1.0, draft_sampling: bool = False, denoise_steps: int = 1,
+             show_tree: bool = False) -> Result:
+    """Generate up to `max_new_tokens` after `prompt_ids` (list of ints or 1-D tensor). See DESIGN.md.
+
+    on_tokens(list[int]) is called with the tokens committed by each round (for streaming). Extras beyond the
+    design card: draft_temperature (the drafter's temperature for building trees; 1 as in the paper),
+    draft_sampling (dflash: sample the chain from the warped draft law and verify with min(1, p/q)),
+    denoise_steps (T drafter passes per round), show_tree (keep each round's tree in Result.trees)."""
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    prompt = torch.as_tensor(prompt_ids if prompt_ids is not None else [], dtype=torch.long).flatten()
+    check_request(target, drafter, prompt, method, budget, max_new_tokens, seed, draft_temperature, denoise_steps)
+    stop = set(target.eos_ids if stop_ids is None else stop_ids)
+    if method == "ar":
+        drafter, extra = None, 0
+    else:
+        extra = (budget if method == "ddtree" else drafter.block_size) + drafter.block_size
+    options = dict(draft_temperature=float(draft_temperature), draft_sampling=bool(draft_sampling),
+                   denoise_steps=denoise_steps)
 
     with torch.inference_mode():
-        engine = get_engine(target, sampling, cache_length(prompt.numel(), max_new_tokens, 0), compile)
+        engine = get_engine(target, drafter, method, budget, sampling,
+                            cache_length(prompt.numel(), max_new_tokens, extra), compile, **options)
         generator = torch.Generator(device=engine.device)
         generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
         t0 = time.perf_counter()
         token, finite = engine.prefill(prompt.to(engine.device), generator)
-        tokens, accepted = [], []
-        pos = torch.tensor([prompt.numel()], device=engine.device)
-        while True:
-            value, ok = token.item(), bool(finite)  # the round's one host sync
+        if not bool(finite):
+            raise ValueError(NON_FINITE)
+        tokens, accepted, trees = [], [], []
+        start = torch.tensor(prompt.numel(), device=engine.device)
+        done = emit(tokens, [token.item()], stop, max_new_tokens, on_tokens)
+        while not done:
+            if method == "ar":
+                token, finite = engine.decode_step(token.view(1), start.view(1), engine.noise(1, generator))
+                new, ok = [token.item()], bool(finite)  # the round's one host sync
+                start = start + 1
+            else:
+                rows, length, token, finite, tree = engine.round(token.view(1), start,
+                                                                 *engine.round_randomness(generator))
+                # The round's one host sync: the committed rows, how many, the next bonus, and the NaN check.
+                out = torch.cat([rows, length.view(1), token.view(1), finite.view(1).long()]).tolist()
+                n, ok = out[-3], bool(out[-1])
+                new = out[1:n] + [out[-2]]  # accepted drafts (rows[0] is the old bonus, already out) + next bonus
+                start = start + length
+                if show_tree:
+                    trees.append(tuple(t.clone() for t in tree) + (n,))
             if not ok:
-                raise ValueError("the target produced non-finite logits (NaN/inf weights or overflow in this dtype)")
-            if tokens:
-                accepted.append(1)  # AR: one token per target forward after the prefill
-            tokens.append(value)
-            if on_tokens:
-                on_tokens([value])
-            if value in stop or len(tokens) >= max_new_tokens:
-                break
-            token, finite = engine.decode_step(token.view(1), pos, engine.noise(1, generator))
-            pos += 1
+                raise ValueError(NON_FINITE)
+            accepted.append(len(new))
+            done = emit(tokens, new, stop, max_new_tokens, on_tokens)
         seconds = time.perf_counter() - t0
     rounds = len(accepted)
-    stats = dict(method=method, budget=None, new_tokens=len(tokens), rounds=rounds,
-                 tau=(sum(accepted) / rounds if rounds else 0.0), accepted=accepted, seconds=seconds,
-                 tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0)
-    return Result(tokens=tokens, stats=stats)
+    stats = dict(method=method, budget=budget if method == "ddtree" else None, new_tokens=len(tokens),
+                 rounds=rounds, tau=(sum(accepted) / rounds if rounds else 0.0), accepted=accepted,
+                 seconds=seconds, tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0)
+    return Result(tokens=tokens, stats=stats, trees=trees)
+
+
+NON_FINITE = "the target produced non-finite logits (NaN/inf weights, or overflow in this dtype)"
+MAX_BUDGET = 16384
+
+
+def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> bool:
+    """Append a round's tokens, cut after the first stop token or at the token limit; True when generation ends."""
+    kept = []
+    for t in new:
+        kept.append(t)
+        if t in stop or len(tokens) + len(kept) >= max_new_tokens:
+            break
+    tokens += kept
+    if on_tokens:
+        on_tokens(kept)
+    return kept[-1] in stop or len(tokens) >= max_new_tokens
 
 
 # ----------------------------------------------------------------------------------------------------------------

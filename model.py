@@ -255,11 +255,13 @@ class Qwen3(nn.Module):
         features [Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers, concatenated."""
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(input_pos, self.inv_freq, x.dtype)
-        features = []
+        features, last = [], len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache_pos, block_mask)
             if i in feature_layers:
-                features.append(x)
+                # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
+                # read the last layer were trained on that: match it (REFERENCE.md §2).
+                features.append(self.norm(x) if i == last else x)
         if logits_rows is not None:
             x = x[logits_rows]
         logits = self.lm_head(self.norm(x)).float()

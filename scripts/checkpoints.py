@@ -104,3 +104,35 @@ def save_checkpoint(out_dir: str, config: dict, weights: dict, eos_ids=None):
     if eos_ids is not None:
         with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
             json.dump({"eos_token_id": list(eos_ids), "do_sample": False}, f, indent=2)
+
+
+def dflash_config(target: dict, layers=1, block_size=8, mask_token_id=None, target_layer_ids=None, inter=None) -> dict:
+    """A DFlash drafter config for `target` (a Qwen3 config dict) in z-lab's layout."""
+    c = {k: target[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta")
+         if k in target}
+    c.update(architectures=["DFlashDraftModel"], model_type="qwen3", num_hidden_layers=layers,
+             intermediate_size=inter or target["intermediate_size"], tie_word_embeddings=False,
+             block_size=block_size, num_target_layers=target["num_hidden_layers"],
+             dflash_config={"mask_token_id": target["vocab_size"] - 1 if mask_token_id is None else mask_token_id})
+    if "rope_theta" not in c:
+        c["rope_theta"] = (target.get("rope_parameters") or {}).get("rope_theta", 1e6)
+    if target_layer_ids is not None:
+        c["dflash_config"]["target_layer_ids"] = list(target_layer_ids)
+    return c
+
+
+def random_dflash_weights(c: dict, seed: int = 1, std: float = 0.05) -> dict:
+    """Random weights with z-lab's tensor names: layers.{i}.*, fc.weight, hidden_norm.weight, norm.weight."""
+    g = torch.Generator().manual_seed(seed)
+    H = c["hidden_size"]
+    n_ids = len(c["dflash_config"].get("target_layer_ids") or []) or c["num_hidden_layers"]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    w = {"fc.weight": rand(H, n_ids * H), "hidden_norm.weight": 1 + rand(H), "norm.weight": 1 + rand(H)}
+    for i in range(c["num_hidden_layers"]):
+        w.update(layer_weights(f"layers.{i}.", H, c["intermediate_size"], c["num_attention_heads"],
+                               c["num_key_value_heads"], c["head_dim"], rand))
+    return w

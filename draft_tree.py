@@ -1,0 +1,206 @@
+"""Draft-tree construction: the B most probable prefixes under the drafter's per-position distributions.
+
+DDTree (REFERENCE.md §3, paper §4): one drafter pass gives log-distributions logq[L, V] for the L positions after
+the bonus token. Under the factorized draft law Q(y) = prod_i q_i(y_i), a tree's expected acceptance length is
+the sum of its nodes' prefix probabilities (Prop. 1), so the best tree with B nodes is the set of the B most
+probable prefixes (Prop. 2), which is prefix-closed, and only the top-K = min(B, V) tokens of each depth can
+appear in it (Lemma 1).
+
+Two builders with identical output (same tensors, bit for bit):
+
+    build_tree_heap  the paper's Algorithm 1, a best-first heap on the host: the readable reference
+    build_tree       the same tree from fixed-shape tensor ops without host syncs: torch.compile / CUDA graphs
+
+Order. A prefix is a rank tuple (r_1..r_d) (r_i = rank of its token among depth i's tokens: log-prob descending,
+ties by token id ascending). Its score is the float32 sum of its log-probs, accumulated root to leaf as
+parent_score + logq[d, token], starting from 0.0. Nodes are ordered by the key (-score, depth, ranks) with ranks
+compared lexicographically. As log-probs are <= 0 and float32 rounding is monotone, a child never comes before its
+parent, nor a sibling before its elder sibling; so the heap pops in exactly this global order, and the first B
+of it are prefix-closed.
+
+Output (both builders), for the verify input [bonus, node_1, ..., node_B] (row 0 is the bonus, the tree's root,
+not counted in the budget; node i, 0-based, is row i + 1), in pop order so parents precede children:
+    tokens  [B] int64  token ids
+    parents [B] int64  row of the parent (0 = the root)
+    depths  [B] int64  1 for children of the root
+When fewer than B prefixes exist (V^1 + ... + V^L < B) the tail is padding: token 0, parent -1, depth 0.
+
+logq must hold log-probabilities (<= 0, no NaN); -inf (probability 0) is fine.
+"""
+
+import heapq
+import math
+import struct
+
+import torch
+
+
+def f32(x: float) -> float:
+    """Round a Python float to float32. A float32 + float32 sum done in double and then rounded to float32 equals
+    the float32 sum (double has more than 2 * 24 + 2 bits), so this reproduces the device's additions exactly."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # finite but past float32's range: float32 rounds it to infinity
+        return math.copysign(math.inf, x)
+
+
+def order_key(score: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
+    """One int64 per entry: larger key = earlier in the order (score descending, then tie ascending).
+
+    topk and sort are not stable, and topk's choice among equal values is unspecified, so we fold the tie-break
+    into the value itself: the float32 bits mapped to a monotone int32 in the high half, the inverted tie in the
+    low half. Keys are then distinct and a plain topk gives exactly the ordered top entries. 0 <= tie < 2**32.
+    """
+    bits = score.contiguous().view(torch.int32)
+    # Non-negative floats order like their bits; a negative one is minus its magnitude bits (which also maps
+    # -0.0 to 0, as the heap's float comparison has -0.0 == 0.0).
+    mono = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(torch.int64)
+    return mono * 2**32 + (2**32 - 1 - tie)
+
+
+def topk_per_depth(logq: torch.Tensor, k: int):
+    """The k best tokens of every depth in rank order (log-prob descending, token id ascending).
+    Returns (values [L, k] float32, token ids [L, k] int64)."""
+    logq = logq.float()
+    tok = torch.arange(logq.shape[-1], device=logq.device)
+    ids = order_key(logq, tok.expand_as(logq)).topk(k, dim=-1).indices
+    return logq.gather(-1, ids), ids
+
+
+def build_tree_heap(logq: torch.Tensor, budget: int):
+    """Algorithm 1: best-first search over rank tuples with a heap, O(B log B) after the per-depth top-K."""
+    assert budget >= 1
+    L, V = logq.shape
+    K = min(budget, V)
+    topv, topi = (t.tolist() for t in topk_per_depth(logq, K))
+    tokens, parents, depths = [0] * budget, [-1] * budget, [0] * budget
+    # Heap items: (-score, depth, ranks) is the order key (ranks are unique, so the rest is never compared),
+    # then what the pushes need: the parent's score (a sibling's score is parent_score + its own log-prob,
+    # the same addition build_tree does) and the parent's row.
+    heap = [(-f32(0.0 + topv[0][0]), 1, (0,), 0.0, 0)]
+    n = 0
+    while n < budget and heap:
+        neg_score, d, ranks, parent_score, parent_row = heapq.heappop(heap)
+        score, r = -neg_score, ranks[-1]
+        tokens[n], parents[n], depths[n] = topi[d - 1][r], parent_row, d
+        n += 1  # this node is row n
+        if r + 1 < K:  # next sibling
+            s = f32(parent_score + topv[d - 1][r + 1])
+            heapq.heappush(heap, (-s, d, ranks[:-1] + (r + 1,), parent_score, parent_row))
+        if d < L:  # first child
+            s = f32(score + topv[d][0])
+            heapq.heappush(heap, (-s, d + 1, ranks + (0,), score, n))
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=logq.device)
+    return as_tensor(tokens), as_tensor(parents), as_tensor(depths)
+
+
+def build_tree(logq: torch.Tensor, budget: int):
+    """build_tree_heap's exact output from tensor ops: fixed shapes for a given (L, V, budget), no host sync.
+
+    Depth by depth, keep the best `budget` prefixes of that depth among the children of the previous depth's kept
+    prefixes; then take the global best `budget` of all kept prefixes. This is exact: the answer G (the first
+    `budget` prefixes of the global order) is a down-set of the order, so each depth's part of G is among the
+    children of the previous depth's part, and it is among the best `budget` of any candidate set containing it.
+    (The per-depth kept sets themselves may differ from the true per-depth top-B when float32 rounding makes
+    different parent scores equal after adding a child's log-prob; G is unaffected.)
+
+    Cost per depth: `budget` x K candidates (512 x 512 at the paper's setting), one int64 topk over them.
+    """
+    assert budget >= 1 and budget * min(budget, logq.shape[1]) < 2**32  # tie-breaks must fit order_key
+    L, V = logq.shape
+    K = min(budget, V)
+    dev = logq.device
+    topv, topi = topk_per_depth(logq, K)
+
+    # The frontier: the previous depth's kept prefixes, sorted by rank tuple (lexicographic). Then candidate
+    # j * K + k (child of rank k of frontier entry j) is also in lexicographic order, so its flat index is the
+    # tie-break of the order key. Depth 0 is the root alone, score 0.
+    score = torch.zeros(1, device=dev)
+    scores, toks, parent_idx, depth_of = [], [], [], []
+    prev_offset, offset = 0, 1  # index of the first kept prefix of a depth in the concatenation (0 = the root)
+    for d in range(L):
+        F = score.shape[0]
+        cand = (score[:, None] + topv[d][None, :]).reshape(-1)
+        idx = torch.arange(F * K, device=dev)
+        n = min(budget, F * K)
+        keep = order_key(cand, idx).topk(n).indices.sort().values  # the best n, back in lexicographic order
+        score = cand[keep]
+        scores.append(score)
+        toks.append(topi[d][keep % K])
+        parent_idx.append(prev_offset + keep // K)
+        depth_of.append(torch.full((n,), d + 1, device=dev))
+        prev_offset, offset = offset, offset + n
+
+    # Global order over everything kept: score, then depth, then ranks = the concatenation's own order.
+    # If fewer than `budget` prefixes exist, pad with keys below every real one.
+    N = offset - 1
+    pad = max(budget - N, 0)
+    key = order_key(torch.cat(scores), torch.arange(N, device=dev))
+    key = torch.cat([key, torch.full((pad,), torch.iinfo(torch.int64).min, device=dev)])
+    sel = key.topk(budget).indices  # pop order; padding (sel >= N) last
+    real = sel < N
+
+    # Row of each concatenation entry in the output (root = row 0; unselected entries are never looked up).
+    row_of = torch.zeros(1 + N + pad, dtype=torch.int64, device=dev)
+    row_of = row_of.scatter(0, 1 + sel, torch.arange(1, budget + 1, device=dev))
+    zero = torch.zeros(pad, dtype=torch.int64, device=dev)
+    tokens = torch.cat(toks + [zero])[sel]
+    parents = row_of[torch.cat(parent_idx + [zero])[sel]]
+    depths = torch.cat(depth_of + [zero])[sel]
+    return (torch.where(real, tokens, 0), torch.where(real, parents, -1), torch.where(real, depths, 0))
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """anc[i, j] = row j is row i or one of its ancestors, over the B + 1 rows [root, nodes...].
+
+    The root is an ancestor of every real node; padded nodes (parent -1) see only themselves. Pointer doubling
+    with a fixed number of steps: after s steps each row holds its ancestors at distance < 2**s. `max_depth` (the
+    tree's depth bound, e.g. L) sets the steps to ceil(log2(max_depth + 1)); default: enough for any tree of B.
+    """
+    B = parents.shape[0]
+    rows = torch.arange(B + 1, device=parents.device)
+    # The root and padded nodes point at themselves, so chasing past them changes nothing.
+    up = torch.cat([rows[:1], torch.where(parents < 0, rows[1:], parents)])
+    anc = torch.eye(B + 1, dtype=torch.bool, device=parents.device)
+    depth = B if max_depth is None else max_depth
+    for _ in range(math.ceil(math.log2(depth + 1))):
+        anc = anc | anc[up]
+        up = up[up]
+    return anc
+
+
+def format_tree(tokens, parents, depths, accepted_rows=None, decode=lambda t: str(t), probs=None, root="<bonus>"):
+    """A `tree`-style text picture of one round's tree (the CLI's --show-tree).
+
+    One line per node: decoded token, then its probability if `probs` ([B], e.g. q of the token at its depth) is
+    given, then "✓" if its row is in `accepted_rows` (rows of the accepted path; the root is row 0) and "·" if
+    not (marks only when accepted_rows is given). Children appear in rank order (= row order). Padding is skipped.
+    """
+    tokens, parents, depths = (torch.as_tensor(t).tolist() for t in (tokens, parents, depths))
+    probs = None if probs is None else torch.as_tensor(probs).tolist()
+    accepted = None if accepted_rows is None else set(torch.as_tensor(accepted_rows).reshape(-1).tolist())
+    children = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(p, []).append(i + 1)
+
+    def label(row):
+        text = root if row == 0 else decode(tokens[row - 1])
+        text = text.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+        if row > 0 and probs is not None:
+            text += f"  {probs[row - 1]:.3f}"
+        if accepted is not None:
+            text += "  ✓" if row in accepted else "  ·"
+        return text
+
+    lines = [label(0)]
+
+    def walk(row, indent):
+        kids = children.get(row, [])
+        for n, kid in enumerate(kids):
+            last = n == len(kids) - 1
+            lines.append(indent + ("└── " if last else "├── ") + label(kid))
+            walk(kid, indent + ("    " if last else "│   "))
+
+    walk(0, "")
+    return "\n".join(lines)

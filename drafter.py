@@ -1,0 +1,188 @@
+"""DFlash block-diffusion drafter (z-lab checkpoint format) in our own modules.
+
+A round drafts one block `[bonus, MASK x (block_size - 1)]` at absolute positions start .. start + block_size - 1.
+Every layer is a Qwen3 layer whose keys/values are those of the context (the target's chosen-layer outputs of the
+committed tokens, fused by `fc` + `hidden_norm`) followed by those of the block; the block attends to all of the
+context and bidirectionally to itself. Output k >= 1 is the distribution of the token at start + k, so one
+forward gives block_size - 1 per-position distributions. The embedding and lm_head are the target's.
+
+Only the context's K/V persist between rounds (one cache buffer per layer, like the target's); the block's K/V
+are written into the slots just after the context and overwritten by the next round. Context features are
+appended with a fixed width so every round has the same shapes and compiles once.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from model import (Block, Qwen3Config, RMSNorm, default_device, load_weights, parse_dtype, read_json,
+                   resolve_checkpoint, rope_cos_sin, rope_inv_freq)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default: spread the ids evenly over [1, num_target_layers - 3] (one layer: the middle one)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    model: Qwen3Config  # the drafter's own layers (hidden size equal to the target's)
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
+        archs = d.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise ValueError(f"{where}: not a DFlash drafter (architectures={archs}, expected DFlashDraftModel)")
+        model = Qwen3Config.from_dict(d, where)
+        dflash = d.get("dflash_config") or {}
+        for key, value in (("block_size", d.get("block_size")), ("num_target_layers", d.get("num_target_layers")),
+                           ("dflash_config.mask_token_id", dflash.get("mask_token_id"))):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be an integer, got {value!r}")
+        if d["block_size"] < 2:
+            raise ValueError(f"{where}: block_size must be >= 2, got {d['block_size']}")
+        ids = dflash.get("target_layer_ids") or default_target_layer_ids(d["num_target_layers"],
+                                                                         model.num_hidden_layers)
+        return cls(model=model, block_size=d["block_size"], num_target_layers=d["num_target_layers"],
+                   target_layer_ids=list(ids), mask_token_id=dflash["mask_token_id"])
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        c = config.model
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, None), persistent=False)
+        self.target_parts = None  # (embed_tokens, lm_head) of the bound target: used, not owned (no state_dict)
+        self.cache_len = 0
+        self.path: str | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def device(self):
+        return self.fc.weight.device
+
+    @property
+    def dtype(self):
+        return self.fc.weight.dtype
+
+    def bind(self, target) -> "DFlashDrafter":
+        """Check that this drafter fits `target` and use the target's embedding and lm_head."""
+        check_pair(target, self)
+        self.target_parts = (target.embed_tokens, target.lm_head)
+        return self
+
+    def setup_cache(self, length: int):
+        if length == self.cache_len:
+            return
+        c = self.config.model
+        shape = (1, c.num_key_value_heads, length, c.head_dim)
+        with torch.inference_mode(False):
+            for layer in self.layers:
+                layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cache_len = length
+
+    def append_context(self, features, positions, cache_pos):
+        """Write the context K/V of committed tokens: features [W, len(ids) * hidden] (the target's chosen-layer
+        outputs), at RoPE positions and cache slots [W]. No attention: context rows are keys, never queries."""
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
+        cos, sin = rope_cos_sin(positions, self.inv_freq, ctx.dtype)
+        for layer in self.layers:
+            layer.self_attn.write_kv(ctx, cos, sin, cache_pos)
+
+    def forward(self, block_tokens, positions, cache_pos, block_mask):
+        """One denoising pass over a block [block_size] -> float32 logits [block_size, vocab] (row k predicts the
+        token at position start + k; row 0 is the bonus's own row and is not a prediction)."""
+        embed, lm_head = self.target_parts
+        x = embed(block_tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache_pos, block_mask)
+        return lm_head(self.norm(x)).float()
+
+    def draft(self, bonus, start, block_mask, denoise_steps: int = 1):
+        """Per-position draft logits [block_size - 1, vocab] for the positions after the bonus at `start`.
+
+        `block_mask` must let the block see slots [0, start + block_size) (tree_attn.PrefixMask with all-ones
+        allow). With denoise_steps T > 1, each pass unmasks the most confident still-masked positions (their
+        argmax) and the next pass conditions on them; each position keeps the logits of the pass that decided
+        it (the last pass for those still masked), so the draft is the same per-position form as with T = 1.
+        """
+        bs = self.block_size
+        pos = start + torch.arange(bs, device=bonus.device)
+        tokens = torch.full((bs,), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
+        tokens = torch.cat([bonus.view(1), tokens[1:]])
+        logits = self(tokens, pos, pos, block_mask)[1:]
+        if denoise_steps == 1:
+            return logits
+        masked = torch.ones(bs - 1, dtype=torch.bool, device=bonus.device)
+
+        def decided_after(passes):  # an equal share of the block is decided by each pass
+            return -(-(bs - 1) * passes // denoise_steps)
+
+        for step in range(1, denoise_steps):
+            count = decided_after(step) - decided_after(step - 1)
+            confidence = logits.log_softmax(-1).amax(-1).masked_fill(~masked, -float("inf"))
+            chosen = torch.zeros_like(masked).scatter(0, confidence.topk(count).indices, True) & masked
+            tokens = torch.cat([tokens[:1], torch.where(chosen, logits.argmax(-1), tokens[1:])])
+            masked = masked & ~chosen
+            new = self(tokens, pos, pos, block_mask)[1:]
+            logits = torch.where(masked[:, None], new, logits)
+        return logits
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo: str, device=None, dtype=None) -> "DFlashDrafter":
+        path = resolve_checkpoint(path_or_repo, "drafter")
+        where = os.path.join(path, "config.json")
+        config = DFlashConfig.from_dict(read_json(where), where)
+        device = device or default_device()
+        dtype = parse_dtype(dtype, device)
+        with torch.device("meta"):
+            drafter = cls(config)
+        load_weights(drafter, path, strip_prefix="", device=device, dtype=dtype)
+        drafter.inv_freq = rope_inv_freq(config.model.head_dim, config.model.rope_theta, device)
+        drafter.path = path
+        return drafter.eval()
+
+
+def check_pair(target, drafter: DFlashDrafter):
+    """Every way a drafter can fail to fit a target, each as one clear error naming both values."""
+    t, d = target.config, drafter.config
+    checks = [
+        (d.model.hidden_size == t.hidden_size, f"drafter hidden_size {d.model.hidden_size} != target hidden_size "
+                                               f"{t.hidden_size}"),
+        (d.model.vocab_size == t.vocab_size, f"drafter vocab_size {d.model.vocab_size} != target vocab_size "
+                                             f"{t.vocab_size}"),
+        (d.num_target_layers == t.num_hidden_layers, f"drafter num_target_layers {d.num_target_layers} != target "
+                                                     f"num_hidden_layers {t.num_hidden_layers}"),
+        (all(0 <= i < t.num_hidden_layers for i in d.target_layer_ids),
+         f"drafter target_layer_ids {d.target_layer_ids} out of range for a {t.num_hidden_layers}-layer target"),
+        (0 <= d.mask_token_id < t.vocab_size, f"drafter mask_token_id {d.mask_token_id} is not below the target "
+                                              f"vocab_size {t.vocab_size}"),
+        (drafter.fc.weight.shape[1] == len(d.target_layer_ids) * t.hidden_size,
+         f"drafter fc takes {drafter.fc.weight.shape[1]} features, the target gives "
+         f"{len(d.target_layer_ids)} x {t.hidden_size}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(f"target and drafter do not fit: {message}")
+    if drafter.device != target.device or drafter.dtype != target.dtype:
+        raise ValueError(f"target and drafter do not fit: drafter on {drafter.device}/{drafter.dtype}, target on "
+                         f"{target.device}/{target.dtype}")
