@@ -104,7 +104,11 @@ def build_tree(logq: torch.Tensor, budget: int):
     (The per-depth kept sets themselves may differ from the true per-depth top-B when float32 rounding makes
     different parent scores equal after adding a child's log-prob; G is unaffected.)
 
-    Cost per depth: `budget` x K candidates (512 x 512 at the paper's setting), one int64 topk over them.
+    Cost per depth: `budget` x K candidates (512 x 512 at the paper's setting), one int64 topk over them. Cheap
+    on a GPU and when compiled; in eager mode on a CPU build_tree_heap is faster (same output, one host sync).
+    A tighter candidate set that stays exact: parent at key-order position pi of the frontier, child rank k, depth
+    D needs pi + k <= budget - D (all of those nodes precede it). The tempting (pi + 1)(k + 1) <= budget is NOT
+    exact: it assumes a child of an earlier parent comes first, which float32 ties break (see above).
     """
     assert budget >= 1 and budget * min(budget, logq.shape[1]) < 2**32  # tie-breaks must fit order_key
     L, V = logq.shape
@@ -175,6 +179,7 @@ def format_tree(tokens, parents, depths, accepted_rows=None, decode=lambda t: st
     One line per node: decoded token, then its probability if `probs` ([B], e.g. q of the token at its depth) is
     given, then "✓" if its row is in `accepted_rows` (rows of the accepted path; the root is row 0) and "·" if
     not (marks only when accepted_rows is given). Children appear in rank order (= row order). Padding is skipped.
+    `depths` is implied by the parents (indentation); it is taken for the engine's (tokens, parents, depths) triple.
     """
     tokens, parents, depths = (torch.as_tensor(t).tolist() for t in (tokens, parents, depths))
     probs = None if probs is None else torch.as_tensor(probs).tolist()

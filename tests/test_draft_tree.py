@@ -1,0 +1,252 @@
+"""Draft-tree construction: optimality against brute force, the device builder against the heap, ancestor matrices.
+
+Brute force here is independent of draft_tree.py: ranks from Python's stable sort, float32 scores from numpy,
+the order key (-score, depth, ranks) from plain tuple sorting.
+"""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree, topk_per_depth
+
+INF = math.inf
+SETTINGS = settings(max_examples=80, deadline=None)
+
+
+# ----------------------------------------------------------------------------------------------- generators
+
+@st.composite
+def logq_cases(draw, max_len=3, max_vocab=4):
+    """[L, V] log-probabilities: smooth, heavily tied, with zero-probability tokens, or raw values chosen so that
+    float32 rounding makes different parent scores equal once a child's log-prob is added."""
+    L = draw(st.integers(1, max_len))
+    V = draw(st.integers(1, max_vocab))
+    kind = draw(st.sampled_from(["smooth", "ties", "zeros", "rounding"]))
+    values = {
+        "smooth": st.floats(-4, 4, width=32),
+        "ties": st.sampled_from([0.0, 1.0, 2.0]),
+        "zeros": st.sampled_from([-INF, -INF, 0.0, 1.0]),
+        "rounding": st.sampled_from([0.0, -0.0, -1e-8, -2e-8, -1e-7, -1.0, -4.0, -INF]),
+    }[kind]
+    x = torch.tensor(draw(st.lists(st.lists(values, min_size=V, max_size=V), min_size=L, max_size=L)))
+    if kind == "rounding":  # used as log-probs directly (the builders need <= 0, not normalization)
+        return x
+    x[:, 0] = torch.where(torch.isinf(x).all(-1), 0.0, x[:, 0])  # every row needs some mass
+    return x.log_softmax(-1)
+
+
+def n_prefixes(L, V):
+    return sum(V ** d for d in range(1, L + 1))
+
+
+@st.composite
+def cases_with_budget(draw, **kw):
+    logq = draw(logq_cases(**kw))
+    L, V = logq.shape
+    return logq, draw(st.integers(1, n_prefixes(L, V) + 3))
+
+
+# ----------------------------------------------------------------------------------------------- references
+
+def ranked_tokens(logq):
+    """Per depth, token ids in rank order: log-prob descending, ties by id (Python's sort is stable)."""
+    return [sorted(range(len(row)), key=lambda t: -row[t]) for row in logq.tolist()]
+
+
+def all_prefixes_in_order(logq):
+    """Every nonempty prefix (as a token tuple) sorted by (-score, depth, rank tuple)."""
+    L, V = logq.shape
+    q = logq.numpy().astype(np.float32)
+    ranked = ranked_tokens(logq)
+    rank = [{t: r for r, t in enumerate(order)} for order in ranked]
+    items = []
+    with np.errstate(all="ignore"):
+        for d in range(1, L + 1):
+            for toks in itertools.product(range(V), repeat=d):
+                s = np.float32(0.0)
+                for i, t in enumerate(toks):
+                    s = np.float32(s + q[i, t])
+                items.append(((-float(s), d, tuple(rank[i][t] for i, t in enumerate(toks))), toks))
+    return [toks for _, toks in sorted(items)]
+
+
+def prefixes_of(tokens, parents, depths):
+    """The token tuple of each real node, by chasing parents; checks the layout on the way."""
+    tokens, parents, depths = tokens.tolist(), parents.tolist(), depths.tolist()
+    out = []
+    for i, (t, p, d) in enumerate(zip(tokens, parents, depths)):
+        if p < 0:
+            assert (t, d) == (0, 0), "padding is token 0, parent -1, depth 0"
+            assert all(q < 0 for q in parents[i:]), "padding only at the tail"
+            break
+        assert p <= i, "parents precede children (node i is row i + 1)"
+        assert d == (1 if p == 0 else depths[p - 1] + 1)
+        out.append((out[p - 1] if p else ()) + (t,))
+    return out
+
+
+def ancestors_by_chasing(parents):
+    B = len(parents)
+    anc = torch.zeros(B + 1, B + 1, dtype=torch.bool)
+    anc[0, 0] = True
+    for i, p in enumerate(parents.tolist(), start=1):
+        anc[i, i] = True
+        while p >= 0:
+            anc[i, p] = True
+            p = -1 if p == 0 else parents[p - 1].item()
+    return anc
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype == torch.int64 and torch.equal(x, y), (a, b)
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+@SETTINGS
+@given(cases_with_budget())
+def test_heap_is_the_top_budget_prefixes(case):
+    logq, budget = case
+    tree = build_tree_heap(logq, budget)
+    assert all(t.shape == (budget,) for t in tree)
+    got = prefixes_of(*tree)  # also: parents first, depths consistent, padding at the tail
+    want = all_prefixes_in_order(logq)[:budget]
+    assert got == want  # the same set, popped in the order of the key
+    assert len(set(got)) == len(got)
+    assert all(p[:-1] in set(got) or len(p) == 1 for p in got)  # prefix-closed
+
+
+@SETTINGS
+@given(cases_with_budget())
+def test_build_tree_equals_heap(case):
+    logq, budget = case
+    assert_same(build_tree(logq, budget), build_tree_heap(logq, budget))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_build_tree_equals_heap_larger(seed):
+    # Frontiers truncated at every depth, K < V, and many exact ties (quantized logits).
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 4, (6, 40), generator=g).float() if seed else torch.randn(6, 40, generator=g)
+    logq = logits.log_softmax(-1)
+    for budget in (1, 7, 33):
+        assert_same(build_tree(logq, budget), build_tree_heap(logq, budget))
+
+
+def test_build_tree_equals_heap_when_rounding_reorders_siblings_of_different_parents():
+    # Found by hypothesis against a build_tree that kept each depth's frontier in key order instead of rank-tuple
+    # order: float32 sums of the same log-probs in different orders round differently, so children of parents
+    # with different scores can tie, and then the rank tuple (not the parents' order) must break the tie.
+    logq = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]).log_softmax(-1)
+    assert_same(build_tree(logq, 18), build_tree_heap(logq, 18))
+
+
+@pytest.mark.parametrize("budget", [25, 26, 30])
+def test_build_tree_equals_heap_when_a_later_parents_children_tie_first(budget):
+    # Depth-2 prefixes in key order: (0,0), (1,0), (0,1), (1,1); every depth-3 child rounds to -4.0, so the ties
+    # go by rank tuple and (0,1,*) precede (1,0,*). A builder that prunes candidates by (parent position + 1) *
+    # (rank + 1) <= budget (true without ties) drops (0,1,8) at budget 25 and 26; the exact one must not.
+    logq = torch.full((3, 10), -INF)
+    logq[0, :2] = torch.tensor([0.0, -1e-8])
+    logq[1, :2] = torch.tensor([0.0, -1e-7])
+    logq[2] = -4.0
+    tree = build_tree_heap(logq, budget)
+    assert prefixes_of(*tree) == all_prefixes_in_order(logq)[:budget]
+    assert_same(build_tree(logq, budget), tree)
+
+
+def test_budget_one_and_padding():
+    logq = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]).log()
+    assert_same(build_tree_heap(logq, 1), (torch.tensor([1]), torch.tensor([0]), torch.tensor([1])))
+    # 3 + 9 prefixes, budget 15: all of them, then 3 padded entries.
+    tokens, parents, depths = build_tree_heap(logq, 15)
+    assert sorted(prefixes_of(tokens, parents, depths)) == sorted(all_prefixes_in_order(logq))
+    assert tokens[12:].tolist() == [0] * 3 and parents[12:].tolist() == [-1] * 3 and depths[12:].tolist() == [0] * 3
+    assert_same(build_tree(logq, 15), (tokens, parents, depths))
+
+
+@SETTINGS
+@given(logq_cases())
+def test_topk_per_depth_is_a_stable_sort(logq):
+    V = logq.shape[1]
+    values, ids = topk_per_depth(logq, V)
+    assert ids.tolist() == ranked_tokens(logq)
+    want = logq.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, want.indices) and torch.equal(values, want.values)
+
+
+@SETTINGS
+@given(cases_with_budget(max_len=4, max_vocab=3))
+def test_ancestor_matrix_matches_parent_chasing(case):
+    logq, budget = case
+    _, parents, _ = build_tree_heap(logq, budget)
+    want = ancestors_by_chasing(parents)
+    assert torch.equal(ancestor_matrix(parents, max_depth=logq.shape[0]), want)
+    assert torch.equal(ancestor_matrix(parents), want)
+
+
+def closed_sets(L, V):
+    """All prefix-closed sets of prefixes of length <= L over V tokens, as a bool matrix [n_sets, n_prefixes]."""
+    prefixes = [p for d in range(1, L + 1) for p in itertools.product(range(V), repeat=d)]
+    index = {p: i for i, p in enumerate(prefixes)}
+    parent = [index.get(p[:-1], -1) for p in prefixes]
+    rows = []
+    for mask in range(1 << len(prefixes)):
+        if all(parent[i] < 0 or mask >> parent[i] & 1 for i in range(len(prefixes)) if mask >> i & 1):
+            rows.append([bool(mask >> i & 1) for i in range(len(prefixes))])
+    return prefixes, torch.tensor(rows)
+
+
+CLOSED = {(L, V): closed_sets(L, V) for L, V in [(2, 3), (3, 2)]}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(sorted(CLOSED)), st.data())
+def test_tree_maximizes_the_surrogate(shape, data):
+    # Prop. 1-2: the tree's expected acceptance length under Q (sum of its prefix probabilities) is the best of
+    # any prefix-closed set of the same size.
+    L, V = shape
+    prefixes, sets = CLOSED[shape]
+    logits = data.draw(st.lists(st.floats(-3, 3, width=32), min_size=L * V, max_size=L * V))
+    logq = torch.tensor(logits).view(L, V).log_softmax(-1)
+    q = logq.double().exp()
+    mass = torch.tensor([math.prod(q[i, t].item() for i, t in enumerate(p)) for p in prefixes], dtype=torch.float64)
+    best = torch.full((len(prefixes) + 1,), -1.0, dtype=torch.float64)
+    best.scatter_reduce_(0, sets.sum(-1), (sets.double() * mass).sum(-1), reduce="amax")
+    for budget in range(1, len(prefixes) + 1):
+        tree = prefixes_of(*build_tree(logq, budget))
+        index = {p: i for i, p in enumerate(prefixes)}
+        value = mass[[index[p] for p in tree]].sum()
+        assert value >= best[budget] - 1e-6, (budget, value, best[budget])  # float32 scores: near-ties may swap
+
+
+def test_compiled_build_tree_traces_fully_and_matches():
+    from torch._dynamo.utils import counters
+
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    fn = torch.compile(build_tree, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    for logits in (torch.randn(2, 4, generator=g), torch.randint(0, 2, (2, 4), generator=g).float()):
+        logq = logits.log_softmax(-1)
+        assert_same(fn(logq, 6), build_tree_heap(logq, 6))
+    assert sum(counters["graph_break"].values()) == breaks
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # traced (not skipped), and no recompile
+
+
+def test_format_tree():
+    tokens, parents, depths = torch.tensor([5, 6, 7, 0]), torch.tensor([0, 1, 0, -1]), torch.tensor([1, 2, 1, 0])
+    text = format_tree(tokens, parents, depths, accepted_rows=[0, 1], decode=lambda t: f"t{t}",
+                       probs=torch.tensor([0.5, 0.25, 0.125, 0.0]), root="b")
+    assert text == "\n".join([
+        "b  ✓",
+        "├── t5  0.500  ✓",
+        "│   └── t6  0.250  ·",
+        "└── t7  0.125  ·",
+    ])
+    assert format_tree(tokens, parents, depths).splitlines()[1:] == ["├── 5", "│   └── 6", "└── 7"]

@@ -1,0 +1,233 @@
+"""The speculative methods end to end on random pairs: greedy dflash and ddtree equal greedy ar token for token,
+compiled equals eager without recompiles, the drafter's loader and pair checks, bad input."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ddtree import generate
+from drafter import DFlashDrafter, default_target_layer_ids
+from model import Qwen3
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
+
+VOCAB = 16  # small, so random drafts are often right and paths get accepted, compacted and extended
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, eos=(1, 0))
+    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[1])
+    paths = {"target": str(root / "target")}
+    for block in (3, 5, 8):
+        dc = dflash_config(tc, layers=2, block_size=block, target_layer_ids=[0, 2])
+        save_checkpoint(str(root / f"draft{block}"), dc, random_dflash_weights(dc, seed=block, std=0.35))
+        paths[block] = str(root / f"draft{block}")
+    return paths, tc
+
+
+@pytest.fixture(scope="module")
+def models(files):
+    paths, _ = files
+    target = Qwen3.from_pretrained(paths["target"], device="cpu")
+    return target, {b: DFlashDrafter.from_pretrained(paths[b], device="cpu") for b in (3, 5, 8)}
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def greedy(target, drafter, prompt, **kw):
+    return generate(target, drafter, prompt, max_new_tokens=kw.pop("max_new_tokens", 40), stop_ids=[], **kw)
+
+
+def test_greedy_dflash_equals_ar(models):
+    target, drafters = models
+    for block, drafter in drafters.items():
+        for prompt in prompts(4, seed=block):
+            ar = greedy(target, None, prompt, method="ar").tokens
+            res = greedy(target, drafter, prompt, method="dflash")
+            assert res.tokens == ar, (block, prompt)
+            assert res.stats["new_tokens"] == len(ar) and sum(res.stats["accepted"]) >= len(ar) - 1
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7, 64, 512])
+def test_greedy_ddtree_equals_ar(models, budget):
+    target, drafters = models
+    accepted = 0
+    for prompt in prompts(4, seed=budget):
+        ar = greedy(target, None, prompt, method="ar").tokens
+        res = greedy(target, drafters[5], prompt, method="ddtree", budget=budget)
+        assert res.tokens == ar, prompt
+        accepted += sum(res.stats["accepted"]) - res.stats["rounds"]
+    if budget >= 7:
+        assert accepted > 0  # drafts were accepted: compaction and context appends were exercised
+
+
+def test_trees_accept_more_than_the_chain(models):
+    target, drafters = models
+    tau = {}
+    for method, budget in (("dflash", 512), ("ddtree", 64)):
+        runs = [greedy(target, drafters[5], p, method=method, budget=budget, max_new_tokens=60) for p in prompts(3)]
+        tau[method] = sum(sum(r.stats["accepted"]) for r in runs) / sum(r.stats["rounds"] for r in runs)
+    assert tau["ddtree"] > tau["dflash"] >= 1.0
+
+
+def test_stop_ids_and_limits_with_speculation(models):
+    target, drafters = models
+    prompt = prompts(1, seed=3)[0]
+    ar = greedy(target, None, prompt, method="ar", max_new_tokens=30).tokens
+    stop = ar[12]
+    res = generate(target, drafters[8], prompt, method="ddtree", budget=64, max_new_tokens=30, stop_ids=[stop])
+    assert res.tokens == ar[:ar.index(stop) + 1]
+    for n in (1, 2, 5):
+        assert greedy(target, drafters[8], prompt, method="ddtree", budget=64, max_new_tokens=n).tokens == ar[:n]
+
+
+def test_denoise_steps_run_and_stay_lossless(models):
+    target, drafters = models
+    prompt = prompts(1, seed=4)[0]
+    ar = greedy(target, None, prompt, method="ar").tokens
+    for steps in (2, 3):
+        assert greedy(target, drafters[8], prompt, method="ddtree", budget=16, denoise_steps=steps).tokens == ar
+        assert greedy(target, drafters[5], prompt, method="dflash", denoise_steps=steps).tokens == ar
+
+
+def test_show_tree_records_rounds(models):
+    from draft_tree import format_tree
+    target, drafters = models
+    res = greedy(target, drafters[5], [2, 3, 4], method="ddtree", budget=10, max_new_tokens=8, show_tree=True)
+    tokens, parents, depths, path, length = res.trees[0]
+    picture = format_tree(tokens, parents, depths, accepted_rows=path[:length])
+    assert picture.count("\n") >= 10 and "✓" in picture
+
+
+def test_compiled_equals_eager_without_recompiles(models):
+    from torch._dynamo.utils import counters
+    target, drafters = models
+    ps = prompts(3, seed=11)
+    for method, budget in (("ddtree", 7), ("dflash", 512)):
+        eager = [greedy(target, drafters[5], p, method=method, budget=budget, max_new_tokens=60).tokens for p in ps]
+        compiled = [greedy(target, drafters[5], ps[0], method=method, budget=budget, max_new_tokens=60,
+                           compile=True).tokens]
+        counters.clear()
+        runs = [greedy(target, drafters[5], p, method=method, budget=budget, max_new_tokens=60, compile=True)
+                for p in ps[1:]]
+        compiled += [r.tokens for r in runs]
+        assert compiled == eager, method
+        assert sum(r.stats["rounds"] for r in runs) >= 50
+        assert counters["stats"]["unique_graphs"] == 0, (method, dict(counters["stats"]))
+        assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+# ---- drafter loading and pair checks ---------------------------------------------------------------------------
+
+
+def test_default_target_layer_ids_follow_dflash():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
+
+
+def test_real_shaped_drafter_config_gives_the_right_shapes():
+    """Qwen3-8B-DFlash-b16's config, built on the meta device: the module shapes z-lab's tensors have."""
+    from drafter import DFlashConfig
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+           "intermediate_size": 12288, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
+           "block_size": 16, "num_target_layers": 36,
+           "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}}
+    with torch.device("meta"):
+        d = DFlashDrafter(DFlashConfig.from_dict(raw))
+    shapes = {k: tuple(v.shape) for k, v in d.state_dict().items()}
+    assert len(shapes) == 58
+    assert shapes["fc.weight"] == (4096, 5 * 4096)
+    assert shapes["layers.4.self_attn.k_proj.weight"] == (8 * 128, 4096)
+    assert shapes["layers.0.self_attn.q_norm.weight"] == (128,)
+    assert shapes["hidden_norm.weight"] == (4096,) and shapes["norm.weight"] == (4096,)
+
+
+def rewrite(path, config_edit=None, tensor_edit=None):
+    if config_edit:
+        with open(os.path.join(path, "config.json")) as f:
+            c = json.load(f)
+        config_edit(c)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(c, f)
+    if tensor_edit:
+        w = load_file(os.path.join(path, "model.safetensors"))
+        tensor_edit(w)
+        save_file(w, os.path.join(path, "model.safetensors"))
+
+
+def broken_copy(tmp_path, files, block=5, **edits):
+    import shutil
+    paths, _ = files
+    dst = str(tmp_path / "broken")
+    shutil.copytree(paths[block], dst)
+    rewrite(dst, **edits)
+    return dst
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(config_edit=lambda c: c.update(architectures=["Qwen3ForCausalLM"])), "not a DFlash drafter"),
+    (dict(config_edit=lambda c: c.pop("block_size")), "block_size"),
+    (dict(config_edit=lambda c: c["dflash_config"].pop("mask_token_id")), "mask_token_id"),
+    (dict(tensor_edit=lambda w: w.pop("fc.weight")), "lacks"),
+    (dict(tensor_edit=lambda w: w.update({"embed_tokens.weight": torch.zeros(2, 2)})), "unexpected tensor"),
+    (dict(tensor_edit=lambda w: w.update({"norm.weight": torch.zeros(3)})), "shape"),
+])
+def test_broken_drafter_files_are_clear_errors(tmp_path, files, edit, message):
+    with pytest.raises(ValueError, match=message):
+        DFlashDrafter.from_pretrained(broken_copy(tmp_path, files, **edit), device="cpu")
+
+
+@pytest.mark.parametrize("config_edit, message", [
+    (lambda c: c["dflash_config"].update(mask_token_id=VOCAB), "mask_token_id 16 is not below the target vocab"),
+    (lambda c: c.update(num_target_layers=4), "num_target_layers 4 != target num_hidden_layers 3"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=[0, 3]), "out of range"),
+    (lambda c: c.update(vocab_size=32), "vocab_size 32 != target vocab_size 16"),
+])
+def test_mismatched_pairs_are_clear_errors(tmp_path, files, models, config_edit, message):
+    target, _ = models
+    drafter = DFlashDrafter.from_pretrained(broken_copy(tmp_path, files, config_edit=config_edit), device="cpu")
+    with pytest.raises(ValueError, match=message):
+        generate(target, drafter, [1, 2], method="ddtree", budget=4, max_new_tokens=4)
+
+
+def test_hidden_size_mismatch_is_a_clear_error(tmp_path, files, models):
+    target, _ = models
+    _, tc = files
+    other = dict(tc, hidden_size=32, head_dim=8)
+    dc = dflash_config(other, layers=1, block_size=4, target_layer_ids=[0])
+    save_checkpoint(str(tmp_path / "d"), dc, random_dflash_weights(dc))
+    drafter = DFlashDrafter.from_pretrained(str(tmp_path / "d"), device="cpu")
+    with pytest.raises(ValueError, match="drafter hidden_size 32 != target hidden_size 64"):
+        generate(target, drafter, [1, 2], method="dflash", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="ddtree", budget=0), "budget"),
+    (dict(method="ddtree", budget=-3), "budget"),
+    (dict(method="ddtree", budget=3.5), "budget"),
+    (dict(method="ddtree", budget=10**6), "beyond what one verify can hold"),
+    (dict(method="ddtree", denoise_steps=0), "denoise_steps"),
+    (dict(method="ddtree", draft_temperature=0.0), "draft_temperature"),
+])
+def test_bad_speculative_input(models, kwargs, message):
+    target, drafters = models
+    with pytest.raises(ValueError, match=message):
+        generate(target, drafters[5], [1, 2], max_new_tokens=4, **kwargs)
+
+
+def test_method_needs_a_drafter(models):
+    target, _ = models
+    with pytest.raises(ValueError, match="needs a drafter"):
+        generate(target, None, [1, 2], method="dflash")

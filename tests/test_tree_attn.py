@@ -1,0 +1,104 @@
+"""The one FlexAttention mask (prefix + allow matrix) against dense SDPA with the explicit boolean mask, eager and
+compiled, without recompiles as trees and prefixes change; KV compaction."""
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch.nn.attention.flex_attention import flex_attention
+
+from draft_tree import ancestor_matrix, build_tree
+from tree_attn import PrefixMask, causal, compact_kv
+
+KV_LEN = 256
+
+
+def random_tree(budget, depth, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    logq = torch.log_softmax(torch.randn(depth, vocab, generator=g) * 2, -1)
+    tokens, parents, depths = build_tree(logq, budget)
+    return parents, ancestor_matrix(parents, depth)
+
+
+def qkv(q_len, seed, heads=4, kv_heads=2, dim=16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, heads, q_len, dim, generator=g), torch.randn(1, kv_heads, KV_LEN, dim, generator=g),
+            torch.randn(1, kv_heads, KV_LEN, dim, generator=g))
+
+
+def sdpa_reference(q, k, v, dense):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+
+
+def explicit_mask(prefix, anc, q_len):
+    """The intended mask written out by hand: committed slots < prefix, then the tree's ancestor-or-self rows."""
+    dense = torch.zeros(q_len, KV_LEN, dtype=torch.bool)
+    dense[:, :prefix] = True
+    dense[:, prefix:prefix + q_len] = anc
+    return dense
+
+
+@settings(deadline=None, max_examples=25)
+@given(budget=st.integers(1, 40), depth=st.integers(1, 6), vocab=st.integers(2, 6), prefix=st.integers(0, 200),
+       seed=st.integers(0, 10**6))
+def test_tree_mask_equals_dense_sdpa(budget, depth, vocab, prefix, seed):
+    parents, anc = random_tree(budget, depth, vocab, seed)
+    mask = PrefixMask(budget + 1, KV_LEN, "cpu")
+    block_mask = mask.set(prefix, anc)
+    dense = explicit_mask(prefix, anc, budget + 1)
+    assert torch.equal(mask.dense(), dense)
+    q, k, v = qkv(budget + 1, seed)
+    out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(out, sdpa_reference(q, k, v, dense), atol=1e-5, rtol=1e-5)
+
+
+def test_mask_rows_see_only_prefix_and_ancestors():
+    # root 0 -> a(1) -> b(2); root -> c(3)
+    parents = torch.tensor([0, 1, 0])
+    anc = ancestor_matrix(parents)
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(anc, expected)
+    mask = PrefixMask(4, KV_LEN, "cpu")
+    mask.set(10, anc)
+    dense = mask.dense()
+    assert dense[:, :10].all() and not dense[:, 14:].any()
+    assert torch.equal(dense[:, 10:14], expected)
+
+
+def test_compiled_tree_attention_matches_sdpa_without_recompiles():
+    from torch._dynamo.utils import counters
+    budget, depth = 24, 5
+    mask = PrefixMask(budget + 1, KV_LEN, "cpu")
+    attend = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=True),
+                           dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        for round_ in range(21):
+            if round_ == 1:
+                counters.clear()  # round 0 compiles; the next 20 trees and prefixes must reuse the graph
+            parents, anc = random_tree(budget, depth, 3 + round_ % 4, seed=round_)
+            prefix = 7 * round_ + round_ % 3
+            mask.set(prefix, anc)
+            q, k, v = qkv(budget + 1, seed=round_)
+            out = attend(q, k, v)
+            torch.testing.assert_close(out, sdpa_reference(q, k, v, explicit_mask(prefix, anc, budget + 1)),
+                                       atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    assert not counters["recompiles"] and not counters["graph_break"]
+
+
+def test_prefix_mask_visits_only_needed_kv_blocks():
+    mask = PrefixMask(3, 4 * 128, "cpu")
+    mask.set(0, causal(3))
+    assert mask.kv_num_blocks.flatten().tolist() == [1]
+    mask.set(126, causal(3))
+    assert mask.kv_num_blocks.flatten().tolist() == [2]
+    mask.set(500, causal(3))
+    assert mask.kv_num_blocks.flatten().tolist() == [4]
+
+
+def test_compact_kv_moves_the_path_to_contiguous_slots():
+    cache = torch.arange(2 * 40, dtype=torch.float32).view(1, 2, 40, 1).repeat(1, 1, 1, 3)
+    before = cache.clone()
+    prefix, path = 10, torch.tensor([0, 2, 5, 6, 0, 0])  # rows 0, 2, 5, 6 accepted; the rest is padding
+    compact_kv([cache], prefix, path)
+    assert torch.equal(cache[:, :, :prefix], before[:, :, :prefix])  # the committed prefix is untouched
+    assert torch.equal(cache[:, :, prefix:prefix + 4], before[:, :, [10, 12, 15, 16]])
