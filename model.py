@@ -295,8 +295,11 @@ class Qwen3(nn.Module):
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        shards = sorted(set(read_json(index)["weight_map"].values()))
-        return [os.path.join(path, s) for s in shards]
+        shards = [os.path.join(path, s) for s in sorted(set(read_json(index)["weight_map"].values()))]
+        for shard in shards:
+            if not os.path.isfile(shard):
+                raise ValueError(f"{path}: model.safetensors.index.json lists {os.path.basename(shard)}, which is missing")
+        return shards
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
@@ -330,7 +333,8 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str, device, dtype, 
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(loaded, strict=False, assign=True)
-    if any(p.is_meta for p in model.parameters()):
+    # (remove_duplicate=False: a tied lm_head still points at the meta tensor until the caller re-ties it)
+    if any(p.is_meta for n, p in model.named_parameters(remove_duplicate=False) if n not in skip):
         raise ValueError(f"{path}: some weights were not loaded")
 
 
