@@ -401,6 +401,12 @@ def parse_args(argv):
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--draft-temperature", type=float, default=1.0,
+                   help="temperature of the drafter's distributions when building trees (1 as in the paper)")
+    p.add_argument("--draft-sampling", action="store_true",
+                   help="dflash: sample the chain from the draft law and verify with min(1, p/q)")
+    p.add_argument("--denoise-steps", default="1", help="drafter passes per round (DFlash: 1)")
+    p.add_argument("--show-tree", action="store_true", help="print the first round's tree with accepted marks")
     return p.parse_args(argv)
 
 
@@ -432,10 +438,20 @@ def run_cli(args) -> int:
     if not args.prompt or not prompt_ids:
         raise ValueError("the prompt is empty")
     drafter = None
+    if args.method != "ar":
+        drafter = DFlashDrafter.from_pretrained(args.draft, device=target.device, dtype=target.dtype)
     streamer = None if args.json else Streamer(text)
     res = generate(target, drafter, prompt_ids, method=args.method, budget=budget, max_new_tokens=max_new,
                    temperature=args.temperature, top_k=top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
-                   compile=args.compile, on_tokens=streamer)
+                   compile=args.compile, on_tokens=streamer, draft_temperature=args.draft_temperature,
+                   draft_sampling=args.draft_sampling, denoise_steps=as_int("--denoise-steps", args.denoise_steps),
+                   show_tree=args.show_tree)
+    if args.show_tree and res.trees:
+        tokens, parents, depths, path, length = res.trees[0]
+        print(f"\nround 1 tree ({args.method}, {int((parents >= 0).sum())} nodes; ✓ accepted):", file=sys.stderr)
+        print(format_tree(tokens, parents, depths, accepted_rows=path[:length], decode=lambda t: repr(text.decode([t])),
+                          root=repr(text.decode(res.tokens[:1]))),
+              file=sys.stderr)
     s = res.stats
     if args.json:
         print(json.dumps(dict(text=text.decode(res.tokens), tokens=res.tokens, stats=s)))

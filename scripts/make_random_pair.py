@@ -1,9 +1,9 @@
-"""Write a small random Qwen3 target (and, once the drafter exists, a DFlash drafter) in the real file formats,
+"""Write a small random Qwen3 target and a DFlash drafter for it in the real file formats,
 with a BPE tokenizer trained on a slice of the standard library. Random weights accept nothing; this pair is for
 exercising the code paths offline, e.g.
 
     python scripts/make_random_pair.py --out runs/random-pair
-    python ddtree.py --target runs/random-pair/target --method ar --prompt "def f(x):" --max-new-tokens 16
+    python ddtree.py --target runs/random-pair/target --draft runs/random-pair/draft --prompt "def f(x):"
 """
 
 import argparse
@@ -11,7 +11,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint, stdlib_files, train_tokenizer  # noqa
+from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
+                         save_checkpoint, stdlib_files, train_tokenizer)
 
 
 def main():
@@ -27,7 +28,11 @@ def main():
     config = qwen3_config(tok.get_vocab_size(), hidden=128, inter=256, layers=4, heads=4, kv_heads=2, head_dim=32,
                           eos=eos)
     save_checkpoint(target_dir, config, random_qwen3_weights(config, seed=a.seed), eos_ids=eos)
-    print(f"wrote {target_dir} (vocab {tok.get_vocab_size()})")
+    draft_dir = os.path.join(a.out, "draft")
+    draft = dflash_config(config, layers=1, block_size=8, mask_token_id=tok.token_to_id("<|mask|>"),
+                          target_layer_ids=[1, 2])
+    save_checkpoint(draft_dir, draft, random_dflash_weights(draft, seed=a.seed + 1))
+    print(f"wrote {target_dir} and {draft_dir} (vocab {tok.get_vocab_size()})")
 
 
 if __name__ == "__main__":
