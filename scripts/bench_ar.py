@@ -37,8 +37,9 @@ def main():
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for every contender")
     a = p.parse_args()
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(a.threads)
     path = tempfile.mkdtemp()
     config = qwen3_config(a.vocab, hidden=a.hidden, inter=3 * a.hidden, layers=a.layers, heads=a.hidden // 64,
                           kv_heads=max(1, a.hidden // 128), head_dim=64)
