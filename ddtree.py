@@ -126,28 +126,45 @@ class Engine:
         """bonus: [1] the last token the target chose, not yet in its cache; start: 0-d, its position (= the
         committed length). Returns the committed rows' tokens [L + 1] (valid up to `length`), length, the next
         bonus, whether the target's logits were finite, and the tree (for --show-tree)."""
-        L = self.depth
         # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [L, V].
-        draft_logits = self.drafter.draft(bonus, start, self.draft_mask.set(start), self.denoise_steps)
-        # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash).
+        draft_logits = self.draft(bonus, start)
+        # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
         tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
+        mask = self.tree_mask(start, parents)
         # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors.
+        rows, pos, logits, features = self.verify(bonus, tokens, depths, start, mask)
+        # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
+        path, length, next_token = self.accept(logits, tokens, parents, q, noise, accept_u)
+        # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
+        self.commit(start, path, pos, features)
+        return rows[path], length, next_token, torch.isfinite(logits).all(), (tokens, parents, depths, path)
+
+    def draft(self, bonus, start):
+        return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.denoise_steps)
+
+    def tree_mask(self, start, parents):
+        return self.verify_mask.set(start, ancestor_matrix(parents, self.depth))
+
+    def verify(self, bonus, tokens, depths, start, mask):
         rows = torch.cat([bonus.view(1), tokens])
         pos = start + torch.cat([depths.new_zeros(1), depths])
         slots = start + torch.arange(self.nodes + 1, device=rows.device)
-        mask = self.verify_mask.set(start, ancestor_matrix(parents, L))
         logits, features = self.target(rows, pos, slots, mask, feature_layers=self.feature_layers)
-        # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
+        return rows, pos, logits, features
+
+    def accept(self, logits, tokens, parents, q, noise, accept_u):
+        """(path [L + 1] of accepted rows from the root, length, next bonus), by the rule that keeps the target's
+        law: sampled chain drafts by min(1, p/q) with the residual, deterministic drafts by the target's own
+        choices (argmax or a warped sample at every row) walked down the tree."""
         if self.draft_sampling:
-            p = warp_probs(logits, self.sampling)
-            accepted, next_token = verify_chain_sampled(p, q, tokens, accept_u, noise)
-            path, length = torch.arange(L + 1, device=rows.device), accepted + 1
-        else:
-            path, length, next_token = walk_tree(parents, tokens, self.pick(logits, noise), L)
-        # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
+            accepted, next_token = verify_chain_sampled(warp_probs(logits, self.sampling), q, tokens, accept_u, noise)
+            return torch.arange(self.depth + 1, device=logits.device), accepted + 1, next_token
+        return walk_tree(parents, tokens, self.pick(logits, noise), self.depth)
+
+    def commit(self, start, path, pos, features):
+        slots = start + torch.arange(self.depth + 1, device=path.device)
         compact_kv(self.target.kv_caches(), start, path)
-        self.drafter.append_context(features[path], pos[path], start + torch.arange(L + 1, device=rows.device))
-        return rows[path], length, next_token, torch.isfinite(logits).all(), (tokens, parents, depths, path)
+        self.drafter.append_context(features[path], pos[path], slots)
 
     def propose(self, draft_logits, draft_noise):
         """(tokens, parents, depths, q): the nodes in parent-first order; q the warped draft law when the chain's

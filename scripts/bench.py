@@ -1,0 +1,148 @@
+"""Where a DDTree round's time goes, per budget, on a random pair (CPU or GPU), and tree construction alone at
+the paper's size. Prints tables and writes JSON.
+
+    python scripts/bench.py [--budgets 16 64 256 512 1024] [--compile] [--threads 2] [--json out/bench.json]
+
+Each round stage is the engine's own method (Engine.draft, propose, tree_mask, verify, accept, commit), timed
+with a device sync around it; with --compile the two forwards (draft, verify) run compiled, as the engine runs
+them, and the small-op stages stay eager so each is timed on its own (compiled, they fuse into the round's
+graph and cost less). `round` is the whole compiled round (Engine.round) when --compile is given.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
+from draft_tree import build_tree, build_tree_heap  # noqa: E402
+from drafter import DFlashDrafter  # noqa: E402
+from ddtree import Engine, cache_length  # noqa: E402
+from model import Qwen3  # noqa: E402
+from sampler import Sampling  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats):
+    """Median milliseconds of fn() over `repeats` calls (after one warm-up), and its last output."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times), out
+
+
+def random_pair(vocab, hidden, layers, block, draft_layers, device):
+    path = tempfile.mkdtemp()
+    tc = qwen3_config(vocab, hidden=hidden, inter=3 * hidden, layers=layers, heads=max(1, hidden // 64),
+                      kv_heads=max(1, hidden // 128), head_dim=64)
+    save_checkpoint(os.path.join(path, "t"), tc, random_qwen3_weights(tc))
+    dc = dflash_config(tc, layers=draft_layers, block_size=block,
+                       target_layer_ids=[min(i, layers - 2) for i in range(1, 1 + draft_layers)])
+    save_checkpoint(os.path.join(path, "d"), dc, random_dflash_weights(dc))
+    target = Qwen3.from_pretrained(os.path.join(path, "t"), device=device)
+    return target, DFlashDrafter.from_pretrained(os.path.join(path, "d"), device=device).bind(target)
+
+
+def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
+    """Per-stage milliseconds of one round after a real prefill, for one budget."""
+    dev = target.device
+    engine = Engine(target, drafter, "ddtree", budget, Sampling(), cache_length(prompt_len, 64, budget + 32),
+                    compile=False)
+    if compile:
+        engine.draft = torch.compile(engine.draft, dynamic=False, fullgraph=True)
+        engine.verify = torch.compile(engine.verify, dynamic=False, fullgraph=True)
+        engine.round = torch.compile(engine._round, dynamic=False, fullgraph=True)
+    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), device=dev)
+    bonus, _ = engine.prefill(prompt, None)
+    bonus, start = bonus.view(1), torch.tensor(prompt_len, device=dev)
+    ms = {}
+    ms["draft"], logits_q = timed(lambda: engine.draft(bonus, start), dev, repeats)
+    ms["tree"], (tokens, parents, depths, q) = timed(lambda: engine.propose(logits_q, None), dev, repeats)
+    ms["mask"], mask = timed(lambda: engine.tree_mask(start, parents), dev, repeats)
+    ms["verify"], (rows, pos, logits, features) = timed(
+        lambda: engine.verify(bonus, tokens, depths, start, mask), dev, repeats)
+    ms["walk"], (path, length, nxt) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
+                                            repeats)
+    ms["commit"], _ = timed(lambda: engine.commit(start, path, pos, features), dev, repeats)
+    ms["sum"] = sum(ms.values())
+    if compile:
+        ms["round"], _ = timed(lambda: engine.round(bonus, start, None, None, None), dev, repeats)
+    ms["overhead_pct"] = 100 * (ms["tree"] + ms["mask"] + ms["walk"] + ms["commit"]) / ms["sum"]
+    return ms
+
+
+def tree_alone(vocab, depth, budget, device, repeats):
+    """Tree construction by itself at the paper's size: the heap (reference) and the tensor version."""
+    logq = torch.log_softmax(torch.randn(depth, vocab, device=device) * 3, -1)
+    out = {}
+    out["heap_ms"], heap = timed(lambda: build_tree_heap(logq, budget), device, repeats)
+    out["tensor_eager_ms"], fast = timed(lambda: build_tree(logq, budget), device, repeats)
+    compiled = torch.compile(build_tree, dynamic=False, fullgraph=True)
+    out["tensor_compiled_ms"], fast_c = timed(lambda: compiled(logq, budget), device, repeats)
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(heap, fast)) and all(
+        torch.equal(a, b) for a, b in zip(heap, fast_c))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 512, 1024])
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=1)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--skip-tree-alone", action="store_true")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    results = {"args": vars(a), "rounds": {}}
+    with torch.inference_mode():
+        target, drafter = random_pair(a.vocab, a.hidden, a.layers, a.block, a.draft_layers, dev)
+        print(f"random pair: target {a.layers} layers hidden {a.hidden} vocab {a.vocab}; drafter {a.draft_layers} "
+              f"layer(s), block {a.block}; {dev}, {torch.get_num_threads()} threads, "
+              f"{'forwards compiled' if a.compile else 'eager'}; median of {a.repeats}, ms")
+        cols = ["draft", "tree", "mask", "verify", "walk", "commit", "sum"] + (["round"] if a.compile else [])
+        print(f"{'B':>5s} " + " ".join(f"{c:>8s}" for c in cols) + f" {'overhead':>9s}")
+        for budget in a.budgets:
+            ms = round_split(target, drafter, budget, a.compile, a.repeats)
+            results["rounds"][budget] = ms
+            print(f"{budget:5d} " + " ".join(f"{ms[c]:8.2f}" for c in cols) + f" {ms['overhead_pct']:8.1f}%",
+                  flush=True)
+        print("overhead = (tree + mask + walk + commit) / sum of stages")
+        if not a.skip_tree_alone:
+            t = tree_alone(151936, 15, 512, dev, a.repeats)
+            results["tree_alone"] = t
+            print(f"tree build alone, V=151936, depth 15, B=512: heap {t['heap_ms']:.1f} ms, tensor eager "
+                  f"{t['tensor_eager_ms']:.1f} ms, tensor compiled {t['tensor_compiled_ms']:.1f} ms, "
+                  f"identical trees: {t['equal']}")
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
