@@ -157,8 +157,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
+        # Static K/V caches, registered as (non-persistent) buffers so CUDA graphs see fixed addresses.
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
 
     def project_kv(self, x, cos, sin):
         """K (normed, roped) and V of rows x [Q, hidden] as [1, kv_heads, Q, head_dim]."""
