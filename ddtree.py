@@ -249,8 +249,12 @@ def check_request(target, drafter, prompt, method, budget, max_new_tokens, seed,
         if drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
         drafter.bind(target)
-        if method == "ddtree" and budget > MAX_BUDGET:
-            raise ValueError(f"budget {budget} is beyond what one verify can hold (at most {MAX_BUDGET} nodes)")
+        # The verify writes budget + 1 rows after the committed tokens; the cache holds at most
+        # max_position_embeddings slots (rounded up to the attention block).
+        rows = (budget if method == "ddtree" else drafter.block_size) + 1
+        if prompt.numel() + max_new_tokens + rows > round_up(limit):
+            raise ValueError(f"budget {budget} is beyond what the cache can hold: prompt ({prompt.numel()}) + "
+                             f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
 
 
 def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
@@ -315,7 +319,6 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
 
 
 NON_FINITE = "the target produced non-finite logits (NaN/inf weights, or overflow in this dtype)"
-MAX_BUDGET = 16384
 
 
 def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> bool:

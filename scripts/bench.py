@@ -66,9 +66,10 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     engine = Engine(target, drafter, "ddtree", budget, Sampling(), cache_length(prompt_len, 64, budget + 32),
                     compile=False)
     if compile:
+        mode = "reduce-overhead" if dev.type == "cuda" else None  # the whole round as a CUDA graph
         engine.draft = torch.compile(engine.draft, dynamic=False, fullgraph=True)
         engine.verify = torch.compile(engine.verify, dynamic=False, fullgraph=True)
-        engine.round = torch.compile(engine._round, dynamic=False, fullgraph=True)
+        engine.round = torch.compile(engine._round, dynamic=False, fullgraph=True, mode=mode)
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), device=dev)
     bonus, _ = engine.prefill(prompt, None)
     bonus, start = bonus.view(1), torch.tensor(prompt_len, device=dev)

@@ -1,0 +1,134 @@
+"""One-call GPU check (fits a 10-minute device run): Qwen3-8B-shaped target and 8B-shaped DFlash drafter with
+random weights in bf16, built directly on the device (no 16 GB checkpoint to write).
+
+    python scripts/gpu_check.py --json out/gpu_check.json          # on the GPU machine
+    python scripts/gpu_check.py --small --device cpu                # a smoke test of the script itself
+
+Prints and writes: the measured device copy bandwidth and the AR step's bandwidth floor (weight bytes / bandwidth)
+beside the measured AR step (eager, compiled, CUDA graphs); the round split per budget (draft, tree, mask, verify,
+walk, commit; bench.py's round_split); the whole compiled round; tree build alone at the paper's size.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from bench import round_split, sync, timed, tree_alone  # noqa: E402
+from ddtree import Engine, cache_length  # noqa: E402
+from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
+from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
+from sampler import Sampling  # noqa: E402
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                max_position_embeddings=40960, tie_word_embeddings=False)
+SMALL = dict(QWEN3_8B, vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def random_init(module, device, dtype, config):
+    """Materialize a meta-built module on the device with small random weights (norm weights 1)."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
+    module.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, device)
+    return module.to(dtype).eval()
+
+
+def build(shape, device, dtype, block=16, draft_layers=5):
+    c = Qwen3Config(**shape)
+    with torch.device("meta"):
+        target = Qwen3(c)
+    target = random_init(target, device, dtype, c)
+    target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone())  # untied, as 8B
+    ids = [1, 9, 17, 25, 33] if c.num_hidden_layers == 36 else list(range(min(draft_layers, c.num_hidden_layers)))
+    dc = DFlashConfig(model=Qwen3Config(**dict(shape, num_hidden_layers=draft_layers)), block_size=block,
+                      num_target_layers=c.num_hidden_layers, target_layer_ids=ids, mask_token_id=c.vocab_size - 1)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(dc)
+    drafter = random_init(drafter, device, dtype, dc.model)
+    return target, drafter.bind(target)
+
+
+def copy_bandwidth(device, gib=1.0):
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    n = int(gib * 2**30) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    ms, _ = timed(lambda: b.copy_(a), device, 5)
+    return 2 * a.numel() * a.element_size() / (ms / 1e3)
+
+
+def ar_steps(target, device, compile_mode, repeats=20):
+    """Milliseconds per AR decode step at ~context 512 (eager, compiled, or compiled + CUDA graphs)."""
+    engine = Engine(target, None, "ar", 1, Sampling(), cache_length(512, 64, 0), compile=False)
+    if compile_mode:
+        engine.decode_step = torch.compile(engine._decode_step, dynamic=False, fullgraph=True,
+                                           mode="reduce-overhead" if compile_mode == "cudagraphs" else None)
+    token, pos = torch.tensor([1], device=device), torch.tensor([512], device=device)
+    engine.prefill(torch.randint(0, 100, (512,), device=device), None)
+    ms, _ = timed(lambda: engine.decode_step(token, pos, None), device, repeats)
+    return ms
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true", help="a small model (to smoke-test the script on a CPU)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 512, 1024])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    device = torch.device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "small": a.small}
+    t0 = time.time()
+    with torch.inference_mode():
+        target, drafter = build(SMALL if a.small else QWEN3_8B, device, dtype)
+        weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+        bandwidth = copy_bandwidth(device, 0.25 if a.small else 2.0)
+        floor_ms = weight_bytes / bandwidth * 1e3
+        out.update(weight_gb=weight_bytes / 1e9, copy_bandwidth_gbs=bandwidth / 1e9, ar_floor_ms=floor_ms)
+        print(f"{out['device']}: target weights {weight_bytes / 1e9:.2f} GB, copy bandwidth "
+              f"{bandwidth / 1e9:.0f} GB/s -> AR floor {floor_ms:.2f} ms/token", flush=True)
+        modes = ["eager", "compiled"] + (["cudagraphs"] if device.type == "cuda" else [])
+        for mode in modes:
+            ms = ar_steps(target, device, None if mode == "eager" else mode)
+            out[f"ar_{mode}_ms"] = ms
+            print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor)", flush=True)
+        out["rounds"] = {}
+        print(f"{'B':>5s} {'draft':>8s} {'tree':>8s} {'mask':>8s} {'verify':>8s} {'walk':>8s} {'commit':>8s} "
+              f"{'round':>8s} {'overhead':>9s}  (ms; stages eager except the two compiled forwards)")
+        for budget in a.budgets:
+            ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)
+            out["rounds"][budget] = ms
+            print(f"{budget:5d} " + " ".join(f"{ms[c]:8.2f}" for c in
+                                             ("draft", "tree", "mask", "verify", "walk", "commit", "round"))
+                  + f" {ms['overhead_pct']:8.1f}%", flush=True)
+        t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
+        out["tree_alone"] = t
+        print(f"tree build alone (V={target.config.vocab_size}, depth 15, B=512): heap {t['heap_ms']:.2f} ms, "
+              f"tensor eager {t['tensor_eager_ms']:.2f} ms, compiled {t['tensor_compiled_ms']:.2f} ms, "
+              f"identical: {t['equal']}")
+    sync(device)
+    out["seconds"] = time.time() - t0
+    print(f"total {out['seconds']:.0f} s")
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
