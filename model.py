@@ -210,6 +210,17 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def allocate_kv_caches(layers, length: int, dtype, device):
+    """One K and one V buffer per layer ([1, kv_heads, length, head_dim]; one buffer per layer, since views of a
+    stacked buffer gave wrong results through compiled FlexAttention, REFERENCE.md §5)."""
+    with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
+        for layer in layers:
+            attn = layer.self_attn
+            shape = (1, attn.kv_heads, length, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+
 class Qwen3(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -236,15 +247,9 @@ class Qwen3(nn.Module):
 
     def setup_cache(self, length: int):
         """Allocate (or reuse) one K and one V buffer per layer for `length` slots (a multiple of 128)."""
-        if length == self.cache_len:
-            return
-        c = self.config
-        shape = (1, c.num_key_value_heads, length, c.head_dim)
-        with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
-            for layer in self.layers:
-                layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.cache_len = length
+        if length != self.cache_len:
+            allocate_kv_caches(self.layers, length, self.dtype, self.device)
+            self.cache_len = length
 
     def kv_caches(self):
         for layer in self.layers:
