@@ -1,0 +1,155 @@
+"""AR vs DFlash chain vs DDTree on a trained pair (default: the bundled tiny pair) over held-out prompts:
+tau, tokens/s, speedup over AR, the per-round time split; a table, a JSON file and PNG plots.
+
+    python scripts/bench_pair.py [--budgets 4 16 64 256 512] [--denoise 1 2] [--compile] [--out runs/bench_pair]
+
+tau is reported two ways (issue 5): over whole greedy generations from held-out code, and one speculative step
+from many real held-out contexts (greedy generations of a tiny model fall into loops a drafter learns to copy,
+which inflates tau over generations). All methods run in one process, side by side.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from bench import round_split  # noqa: E402
+from checkpoints import stdlib_files  # noqa: E402
+from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Text, generate  # noqa: E402
+from drafter import DFlashDrafter  # noqa: E402
+from model import Qwen3  # noqa: E402
+from train_target import HELD_OUT_EVERY, read  # noqa: E402
+
+
+def held_out_code(text: Text, n: int, lo: int, hi: int, seed: int):
+    """n token windows of length lo..hi from the held-out standard-library files."""
+    rng = random.Random(seed)
+    _, held = stdlib_files(HELD_OUT_EVERY)
+    docs = [ids for ids in (text.encode(read(f)) for f in held) if len(ids) > hi + 1]
+    out = []
+    for _ in range(n):
+        ids = rng.choice(docs)
+        length = rng.randint(lo, hi)
+        start = rng.randint(0, len(ids) - length - 1)
+        out.append(ids[start:start + length])
+    return out
+
+
+def run(target, drafter, prompts, method, budget, new_tokens, compile, denoise):
+    """Greedy generations: tau over all rounds, tokens/s over all prompts (after one warm-up call)."""
+    kw = dict(method=method, budget=budget, max_new_tokens=new_tokens, stop_ids=[], compile=compile,
+              denoise_steps=denoise)
+    generate(target, drafter, prompts[0], **kw)  # warm-up: compile, caches
+    accepted, tokens, seconds = [], 0, 0.0
+    for p in prompts:
+        res = generate(target, drafter, p, **kw)
+        accepted += res.stats["accepted"]
+        tokens += res.stats["new_tokens"]
+        seconds += res.stats["seconds"]
+    return dict(tau=sum(accepted) / len(accepted), tokens_per_s=tokens / seconds, accepted=accepted)
+
+
+def one_step_tau(target, drafter, contexts, method, budget, denoise):
+    """Tokens committed by the first speculative round after each real context (drafts accepted + the bonus)."""
+    per = [generate(target, drafter, c, method=method, budget=budget, max_new_tokens=64, stop_ids=[],
+                    denoise_steps=denoise).stats["accepted"][0] for c in contexts]
+    return sum(per) / len(per)
+
+
+def plots(rows, out_dir, chain_key, best_key):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    trees = sorted((r for r in rows.values() if r["method"] == "ddtree" and r["denoise"] == 1),
+                   key=lambda r: r["budget"])
+    chain = rows[chain_key]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, key, label in ((axes[0], "tau", "tau over generations"), (axes[1], "tau_one_step", "tau, one step"),
+                           (axes[2], "speedup", "speedup over AR")):
+        ax.plot([r["budget"] for r in trees], [r[key] for r in trees], "o-", label="DDTree")
+        ax.axhline(chain[key], color="C1", linestyle="--", label="DFlash chain")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tree nodes)")
+        ax.set_title(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "tau_speedup.png"), dpi=100)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    top = max(max(rows[k]["accepted"]) for k in (chain_key, best_key))
+    bins = [i + 0.5 for i in range(top + 1)]
+    ax.hist([rows[chain_key]["accepted"], rows[best_key]["accepted"]], bins=bins,
+            label=["DFlash chain", f"DDTree B={rows[best_key]['budget']}"])
+    ax.set_xlabel("tokens committed per round")
+    ax.set_ylabel("rounds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "committed_per_round.png"), dpi=100)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64, 256, 512])
+    p.add_argument("--denoise", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--contexts", type=int, default=60)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/bench_pair")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    os.makedirs(a.out, exist_ok=True)
+    target = Qwen3.from_pretrained(a.target, device="cpu")
+    drafter = DFlashDrafter.from_pretrained(a.draft, device="cpu").bind(target)
+    text = Text(target.path)
+    prompts = held_out_code(text, a.prompts, 64, 160, a.seed)
+    contexts = held_out_code(text, a.contexts, 32, 256, a.seed + 1)
+
+    configs = [("ar", 1, 1)] + [("dflash", 1, d) for d in a.denoise]
+    configs += [("ddtree", b, d) for d in a.denoise for b in a.budgets]
+    rows = {}
+    print(f"pair: {a.target} + {a.draft}; {a.prompts} held-out prompts x {a.new_tokens} new tokens (greedy), "
+          f"{a.contexts} one-step contexts; {'compiled' if a.compile else 'eager'}, {a.threads} threads")
+    print(f"{'method':8s} {'B':>5s} {'T':>2s} {'tau gen':>8s} {'tau 1-step':>10s} {'tok/s':>8s} {'speedup':>8s}")
+    for method, budget, denoise in configs:
+        if method == "ar" and denoise != 1:
+            continue
+        r = run(target, None if method == "ar" else drafter, prompts, method, budget, a.new_tokens, a.compile,
+                denoise)
+        r["tau_one_step"] = 1.0 if method == "ar" else one_step_tau(target, drafter, contexts, method, budget,
+                                                                   denoise)
+        r.update(method=method, budget=budget, denoise=denoise)
+        r["speedup"] = r["tokens_per_s"] / rows["ar"]["tokens_per_s"] if rows else 1.0
+        rows["ar" if method == "ar" else f"{method}-{budget}-T{denoise}"] = r
+        print(f"{method:8s} {budget if method == 'ddtree' else '':>5} {denoise:2d} {r['tau']:8.2f} "
+              f"{r['tau_one_step']:10.2f} {r['tokens_per_s']:8.1f} {r['speedup']:7.2f}x", flush=True)
+
+    splits = {}
+    print(f"\nround split (ms, stages eager{' but the forwards compiled' if a.compile else ''}):")
+    print(f"{'B':>5s} {'draft':>7s} {'tree':>7s} {'mask':>7s} {'verify':>7s} {'walk':>7s} {'commit':>7s} "
+          f"{'overhead':>9s}")
+    for budget in a.budgets:
+        ms = round_split(target, drafter, budget, a.compile, repeats=5, prompt_len=128)
+        splits[budget] = ms
+        print(f"{budget:5d} " + " ".join(f"{ms[c]:7.2f}" for c in ("draft", "tree", "mask", "verify", "walk",
+                                                                      "commit")) + f" {ms['overhead_pct']:8.1f}%")
+    chain_key = "dflash-1-T1"
+    best_key = max((k for k in rows if k.startswith("ddtree") and k.endswith("T1")), key=lambda k: rows[k]["tau"])
+    plots(rows, a.out, chain_key, best_key)
+    with open(os.path.join(a.out, "bench_pair.json"), "w") as f:
+        json.dump(dict(args=vars(a), rows=rows, round_split=splits), f, indent=1)
+    print(f"\nbest tree {best_key}: tau {rows[best_key]['tau']:.2f} = {rows[best_key]['tau'] / rows[chain_key]['tau']:.2f}x "
+          f"the chain's {rows[chain_key]['tau']:.2f}; wrote {a.out}/bench_pair.json, tau_speedup.png, "
+          f"committed_per_round.png")
+
+
+if __name__ == "__main__":
+    main()
