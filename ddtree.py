@@ -356,8 +356,8 @@ class Text:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def special(self, name: str) -> str:
         value = self.config.get(name)
@@ -390,7 +390,7 @@ class Streamer:
 
     def __call__(self, new_ids):
         self.ids += new_ids
-        s = self.text.decode(self.ids)
+        s = self.text.decode(self.ids, skip_special_tokens=True)  # e.g. the final <|im_end|>
         if s.endswith("\ufffd"):
             return
         self.out.write(s[self.printed:])

@@ -136,3 +136,44 @@ def random_dflash_weights(c: dict, seed: int = 1, std: float = 0.05) -> dict:
         w.update(layer_weights(f"layers.{i}.", H, c["intermediate_size"], c["num_attention_heads"],
                                c["num_key_value_heads"], c["head_dim"], rand))
     return w
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Resumable training state: the trainable module's parameters and the optimizer's moments in one safetensors file,
+# and the step, log and arguments in a small json (no pickle anywhere).
+
+
+def save_train_state(run_dir: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, info: dict):
+    """Write state.safetensors + state.json atomically (a crash mid-write leaves the previous state)."""
+    os.makedirs(run_dir, exist_ok=True)
+    tensors = {}
+    for name, p in module.named_parameters():
+        tensors["param." + name] = p.detach().contiguous().clone()
+        for key, value in optimizer.state.get(p, {}).items():
+            value = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"opt.{name}.{key}"] = value.detach().contiguous().clone()
+    tmp = os.path.join(run_dir, "state.safetensors.tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(run_dir, "state.safetensors"))
+    tmp = os.path.join(run_dir, "state.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(tmp, os.path.join(run_dir, "state.json"))
+
+
+def load_train_state(run_dir: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """Restore what save_train_state wrote into `module` and `optimizer`; returns the json info, or None when the
+    directory holds no state yet."""
+    from safetensors.torch import load_file
+    json_file, tensor_file = os.path.join(run_dir, "state.json"), os.path.join(run_dir, "state.safetensors")
+    if not (os.path.isfile(json_file) and os.path.isfile(tensor_file)):
+        return None
+    tensors = load_file(tensor_file)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(tensors["param." + name])
+            moments = {k[len(f"opt.{name}."):]: v for k, v in tensors.items() if k.startswith(f"opt.{name}.")}
+            if moments:
+                optimizer.state[p] = {k: (v.to(p.device) if k != "step" else v) for k, v in moments.items()}
+    with open(json_file) as f:
+        return json.load(f)

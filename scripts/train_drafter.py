@@ -1,0 +1,324 @@
+"""Distil a DFlash block-diffusion drafter from a Qwen3 target (the bundled tiny one on a CPU; a real one on a GPU
+by the same command).
+
+    python scripts/train_drafter.py --target runs/target/final --out runs/draft --steps 550
+    cp runs/draft/final/* assets/tiny-draft/
+
+The target is frozen: its chosen-layer features are the drafter's context, its embedding embeds the block and its
+lm_head reads the drafter's output. Each step takes B sequences, half windows of real code and half the target's
+own greedy continuations of real prompts (generated once and cached in --out; a quarter of those prompts end right
+after a chat template's assistant header, which is what the CLI feeds), runs the target over them, and places
+random anchors; block j is [token at anchor, MASK ...] at positions anchor .. anchor + block_size - 1, sees the
+context strictly before its anchor and its whole block (drafter.block_mask_mod). Its labels are the target's greedy
+tokens, kept only while the sequence follows the target's greedy path from the anchor (drafter.block_labels), so
+every label is what the target's greedy decoding from that anchor produces.
+
+Objectives (--objective):
+  dflash     DFlash's hard cross-entropy on the greedy labels, all block positions masked (the inference form),
+             position k weighted exp(-(k - 1) / gamma) (+ --kl-weight x KL to the target, default 0);
+  diffusion  the block-diffusion masked ELBO: per block t ~ U(0, 1] (stratified over the batch), each position
+             k >= 1 masked with probability t, cross-entropy on masked positions weighted 1/t, plus --kl-weight
+             (default 1) x KL(target || drafter) on the same positions.
+
+Every --eval-every steps: held-out acceptance one step from real held-out contexts (contexts cut from held-out
+files, the target's greedy bonus and rollout as labels): per-position accuracy of the drafter's argmax and the
+chain's expected tokens per round (tau = 1 + accepted drafts). Resumable: --out holds the latest state
+(safetensors + json); rerunning the command continues. The result (--out/final) is in z-lab's layout, loadable
+by drafter.DFlashDrafter.from_pretrained.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file, save_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (HERE, ROOT):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from checkpoints import load_train_state, save_checkpoint, save_train_state, stdlib_files  # noqa: E402
+from drafter import (DFlashConfig, DFlashDrafter, block_inputs, block_labels, dflash_loss, diffusion_loss,  # noqa: E402
+                     sample_anchors, training_logits, training_mask, zlab_config, zlab_weights)
+from model import Qwen3, read_json  # noqa: E402
+from train_target import HELD_OUT_EVERY, build_stream, forward_batch, greedy_continue, init_weights, lr_at  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data: greedy continuations of the target and held-out evaluation contexts (computed once, cached in --out)
+
+
+def find_after(stream: torch.Tensor, pattern: list[int]) -> torch.Tensor:
+    """Positions just after each occurrence of `pattern` in the stream."""
+    n = len(pattern)
+    windows = stream.unfold(0, n, 1)
+    hits = (windows == torch.tensor(pattern)).all(-1).nonzero().flatten()
+    return hits + n
+
+
+def greedy_sequences(target, stream, count: int, seq: int, prompt_len: int, chat_starts, chat_share: float,
+                     seed: int, batch: int = 64):
+    """`count` sequences of `seq` tokens: a real prompt of `prompt_len` tokens (a share of them ending just after
+    a chat assistant header) followed by the target's greedy continuation."""
+    from tqdm import tqdm
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, stream.numel() - prompt_len, (count,), generator=g)
+    ok = chat_starts[chat_starts >= prompt_len]
+    n_chat = int(count * chat_share) if ok.numel() else 0
+    if n_chat:
+        ends = ok[torch.randint(0, ok.numel(), (n_chat,), generator=g)]
+        starts[:n_chat] = ends - prompt_len
+    prompts = torch.stack([stream[s:s + prompt_len] for s in starts.tolist()])
+    out = []
+    for i in tqdm(range(0, count, batch), desc="greedy data", dynamic_ncols=True, mininterval=10):
+        p = prompts[i:i + batch]
+        out.append(torch.cat([p, greedy_continue(target, p, seq - prompt_len)], dim=1))
+    return torch.cat(out)
+
+
+def eval_contexts(target, stream, count: int, block_size: int, seed: int, lengths=(64, 128, 192, 256)):
+    """Held-out contexts ending at a random place, each followed by the target's greedy bonus and rollout:
+    tokens [count, max(lengths) + block_size] (padding after the rollout) and anchors [count] (the bonus's
+    position). Labels are then the rollout, all valid."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths) + block_size
+    tokens, anchors = [], []
+    per = -(-count // len(lengths))
+    for length in lengths:
+        starts = torch.randint(0, stream.numel() - length, (per,), generator=g)
+        ctx = torch.stack([stream[s:s + length] for s in starts.tolist()])
+        roll = greedy_continue(target, ctx, block_size)  # bonus + block_size - 1 greedy tokens
+        seqs = torch.cat([ctx, roll], dim=1)
+        tokens.append(torch.nn.functional.pad(seqs, (0, width - seqs.shape[1])))
+        anchors.append(torch.full((per,), length))
+    return torch.cat(tokens)[:count], torch.cat(anchors)[:count]
+
+
+def prepare_data(a, target, tok, block_size):
+    path = os.path.join(a.out, "data.safetensors")
+    if os.path.isfile(path):
+        return load_file(path)
+    train_files, held_files = stdlib_files(HELD_OUT_EVERY)
+    if a.files:
+        train_files, held_files = train_files[:a.files], held_files[:max(1, a.files // 10)]
+    stream, _ = build_stream(tok, train_files, a.chat_fraction, a.seed)
+    held, _ = build_stream(tok, held_files, a.chat_fraction, a.seed + 1)
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False).ids
+    t0 = time.time()
+    chat_starts = find_after(stream, header)
+    greedy = greedy_sequences(target, stream, a.greedy_seqs, a.seq, a.prompt_len, chat_starts,
+                              a.chat_prompt_share, a.seed)
+    ev_tokens, ev_anchors = eval_contexts(target, held, a.eval_contexts, block_size, a.seed + 2,
+                                           [int(x) for x in a.eval_lengths.split(",")])
+    data = dict(stream=stream, greedy=greedy, eval_tokens=ev_tokens, eval_anchors=ev_anchors)
+    save_file(data, path)
+    print(f"data: {stream.numel():,} real tokens, {greedy.shape[0]} greedy sequences of {greedy.shape[1]}, "
+          f"{ev_tokens.shape[0]} eval contexts; {chat_starts.numel()} chat starts in the stream "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    return data
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Target pass, loss, evaluation
+
+
+@torch.no_grad()
+def target_pass(target, tokens, layer_ids):
+    """(features [B, C, len(ids) * hidden], logits [B, C, V], greedy [B, C + 1]: greedy[:, p] is the target's
+    argmax after tokens[:, :p])."""
+    logits, features = forward_batch(target, tokens, feature_layers=tuple(layer_ids))
+    greedy = torch.cat([torch.zeros_like(tokens[:, :1]), logits.argmax(-1)], dim=1)
+    return features, logits, greedy
+
+
+def batch_loss(a, drafter, target, tokens, generator, block_size, mask_id):
+    features, t_logits, greedy = target_pass(target, tokens, drafter.config.target_layer_ids)
+    B, C = tokens.shape
+    anchors = sample_anchors(B, a.anchors, 1, C - 2, generator)
+    labels, valid = block_labels(tokens, greedy, anchors, block_size)
+    L = block_size - 1
+    pos = anchors[..., None] + torch.arange(1, block_size)
+    mask = training_mask(anchors, C, block_size)
+    embed, lm_head = target.embed_tokens, target.lm_head
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+        rows = (pos - 1).clamp(max=C - 1).flatten(1)  # the target's logits for each block position
+        tl = torch.gather(t_logits, 1, rows[..., None].expand(-1, -1, t_logits.shape[-1])).view(B, a.anchors, L, -1)
+        if a.objective == "dflash":
+            blocks, positions = block_inputs(tokens, anchors, block_size, mask_id)
+            logits = training_logits(drafter, embed, lm_head, features, blocks, positions, mask)
+            loss = dflash_loss(logits, labels, valid, a.gamma, tl, a.kl_weight)
+        else:
+            n = B * a.anchors  # stratified t in (0, 1]: one per block, spread evenly, shuffled
+            t = ((torch.randperm(n, generator=generator) + 1 - torch.rand(n, generator=generator)) / n).view(B, -1)
+            masked = torch.rand(B, a.anchors, L, generator=generator) < t[..., None]
+            x = torch.gather(tokens, 1, pos.clamp(max=C - 1).flatten(1)).view_as(pos)
+            clean = torch.where(valid, labels, x)
+            blocks, positions = block_inputs(tokens, anchors, block_size, mask_id, clean, masked)
+            logits = training_logits(drafter, embed, lm_head, features, blocks, positions, mask)
+            loss = diffusion_loss(logits, labels, valid, masked, t, tl, a.kl_weight)
+    return loss, valid.float().mean().item()
+
+
+class Evaluator:
+    """One-step acceptance from held-out real contexts, with the target's features computed once."""
+
+    def __init__(self, target, drafter, tokens, anchors, block_size, mask_id, batch=32):
+        self.chunks = []
+        for i in range(0, tokens.shape[0], batch):
+            tk, an = tokens[i:i + batch], anchors[i:i + batch, None]
+            features, _, _ = target_pass(target, tk, drafter.config.target_layer_ids)
+            labels = torch.gather(tk, 1, an + torch.arange(1, block_size))[:, None]  # the rollout
+            self.chunks.append((tk, an, features, labels))
+        self.block_size, self.mask_id = block_size, mask_id
+        self.embed, self.lm_head = target.embed_tokens, target.lm_head
+
+    @torch.no_grad()
+    def __call__(self, drafter):
+        correct, losses = [], []
+        for tk, an, features, labels in self.chunks:
+            blocks, positions = block_inputs(tk, an, self.block_size, self.mask_id)
+            mask = training_mask(an, tk.shape[1], self.block_size)
+            logits = training_logits(drafter, self.embed, self.lm_head, features, blocks, positions, mask)
+            lg = logits.view(tk.shape[0], 1, self.block_size, -1)[:, :, 1:]
+            correct.append((lg.argmax(-1) == labels)[:, 0])
+            losses.append(torch.nn.functional.cross_entropy(lg.flatten(0, 2), labels.flatten()).item())
+        c = torch.cat(correct).float()
+        return dict(acc=[round(x, 3) for x in c.mean(0).tolist()],
+                    tau=round(1 + c.cumprod(-1).sum(-1).mean().item(), 3),
+                    eval_ce=round(sum(losses) / len(losses), 4))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="runs/target/final", help="Qwen3 target directory (with tokenizer.json)")
+    p.add_argument("--out", default="runs/draft")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--inter", type=int, default=0, help="drafter MLP width (default: the target's)")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--target-layers", default="1,2", help="target layer ids whose outputs feed the drafter")
+    p.add_argument("--objective", default="dflash", choices=["dflash", "diffusion"])
+    p.add_argument("--gamma", type=float, default=0.0, help="dflash position decay (default block_size / 2)")
+    p.add_argument("--kl-weight", type=float, default=None, help="default 0 (dflash) / 1 (diffusion)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (half real, half greedy)")
+    p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
+    p.add_argument("--greedy-share", type=float, default=0.5)
+    p.add_argument("--greedy-seqs", type=int, default=768)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--chat-fraction", type=float, default=0.2, help="as the target's training stream")
+    p.add_argument("--chat-prompt-share", type=float, default=0.25)
+    p.add_argument("--eval-contexts", type=int, default=128)
+    p.add_argument("--eval-lengths", default="64,128,192,256", help="held-out context lengths for evaluation")
+    p.add_argument("--steps", type=int, default=550, help="length of the run (the LR schedule)")
+    p.add_argument("--stop-at", type=int, default=0, help="stop (save, export) at this step; rerun to continue")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--files", type=int, default=0, help="use only the first N training files (tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from tokenizers import Tokenizer
+    from tqdm import tqdm
+    t_start = time.time()
+    os.makedirs(a.out, exist_ok=True)
+    bs = a.block_size
+    a.gamma = a.gamma or bs / 2
+    if a.kl_weight is None:
+        a.kl_weight = 1.0 if a.objective == "diffusion" else 0.0
+    target = Qwen3.from_pretrained(a.target, device="cpu", dtype=torch.float32)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tok = Tokenizer.from_file(os.path.join(a.target, "tokenizer.json"))
+    mask_id = tok.token_to_id("<|mask|>")
+    if mask_id is None:
+        raise SystemExit(f"{a.target}: the tokenizer has no <|mask|> token")
+    target_cfg = read_json(os.path.join(a.target, "config.json"))
+    layer_ids = [int(x) for x in a.target_layers.split(",")]
+    config = zlab_config(target_cfg, a.layers, bs, mask_id, layer_ids, a.inter or None)
+    drafter = DFlashDrafter(DFlashConfig.from_dict(config))
+    init_weights(drafter, a.seed)
+    drafter.inv_freq = drafter.inv_freq.to(torch.float32)
+    drafter.bind(target)
+    data = prepare_data(a, target, tok, bs)
+    evaluator = Evaluator(target, drafter, data["eval_tokens"], data["eval_anchors"], bs, mask_id)
+    stream, greedy = data["stream"], data["greedy"]
+    decay = [p for p in drafter.parameters() if p.dim() >= 2]
+    no_decay = [p for p in drafter.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95))
+    state = load_train_state(a.out, drafter, opt)
+    step, log = (state["step"], state["log"]) if state else (0, [])
+    n_params = sum(p.numel() for p in drafter.parameters())
+    print(f"drafter params {n_params:,}; {'resumed at step %d' % step if state else 'from scratch'}; "
+          f"objective {a.objective} gamma {a.gamma} kl {a.kl_weight}", flush=True)
+    if not state:
+        log.append(dict(step=0, **evaluator(drafter)))
+        print(json.dumps(log[-1]), flush=True)
+    n_greedy = int(round(a.batch * a.greedy_share))
+    bar = tqdm(total=a.steps, initial=step, desc=f"drafter ({a.objective})", dynamic_ncols=True, mininterval=10)
+    losses, t_last = [], time.time()
+    drafter.train()
+    stop = min(a.steps, a.stop_at or a.steps)
+    while step < stop:
+        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)  # the batch is a function of (seed, step)
+        rows = []
+        if a.batch - n_greedy:
+            starts = torch.randint(0, stream.numel() - a.seq, (a.batch - n_greedy,), generator=g)
+            rows += [stream[s:s + a.seq] for s in starts.tolist()]
+        if n_greedy:
+            rows += list(greedy[torch.randint(0, greedy.shape[0], (n_greedy,), generator=g)])
+        tokens = torch.stack(rows)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, a.steps, a.lr, a.warmup)
+        loss, valid_share = batch_loss(a, drafter, target, tokens, g, bs, mask_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % a.eval_every == 0 or step == stop:
+            drafter.eval()
+            entry = dict(step=step, loss=round(sum(losses) / len(losses), 4), valid=round(valid_share, 3),
+                         s_per_step=round((time.time() - t_last) / len(losses), 2),
+                         minutes=round((time.time() - t_start) / 60, 2), **evaluator(drafter))
+            drafter.train()
+            log.append(entry)
+            bar.write(json.dumps(entry))
+            losses, t_last = [], time.time()
+        if step % a.save_every == 0 or step == stop:
+            save_train_state(a.out, drafter, opt, dict(step=step, log=log, args=vars(a)))
+    bar.close()
+    final_dir = os.path.join(a.out, "final")
+    dtype = torch.bfloat16 if a.save_dtype == "bfloat16" else torch.float32
+    config["torch_dtype"] = a.save_dtype
+    save_checkpoint(final_dir, config, zlab_weights(drafter, dtype))
+    with open(os.path.join(final_dir, "training_log.json"), "w") as f:
+        json.dump(dict(args=vars(a), params=n_params, log=log), f, indent=1)
+    print(f"wrote {final_dir} ({(time.time() - t_start) / 60:.1f} min)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
