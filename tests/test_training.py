@@ -288,8 +288,6 @@ def train_target_token(path, token):
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(ASSETS, "tiny-draft", "config.json")),
-                    reason="no bundled pair in assets/")
 def test_bundled_pair_greedy_methods_agree_and_speculate():
     from ddtree import Text
     target = Qwen3.from_pretrained(os.path.join(ASSETS, "tiny-target"), device="cpu")
