@@ -294,8 +294,8 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
         while not done:
             if method == "ar":
                 token, finite = engine.decode_step(token.view(1), start.view(1), engine.noise(1, generator))
-                new, ok = [token.item()], bool(finite)  # the round's one host sync
-                start = start + 1
+                value, ok = torch.stack([token.view(-1)[0], finite.long()]).tolist()  # the step's one host sync
+                new, start = [value], start + 1
             else:
                 rows, length, token, finite, tree = engine.round(token.view(1), start,
                                                                  *engine.round_randomness(generator))
