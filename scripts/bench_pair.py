@@ -56,7 +56,7 @@ def run(target, drafter, prompts, method, budget, new_tokens, compile, denoise):
 
 def one_step_tau(target, drafter, contexts, method, budget, denoise):
     """Tokens committed by the first speculative round after each real context (drafts accepted + the bonus)."""
-    per = [generate(target, drafter, c, method=method, budget=budget, max_new_tokens=64, stop_ids=[],
+    per = [generate(target, drafter, c, method=method, budget=budget, max_new_tokens=2, stop_ids=[],
                     denoise_steps=denoise).stats["accepted"][0] for c in contexts]
     return sum(per) / len(per)
 
