@@ -60,6 +60,7 @@ def random_pair(vocab, hidden, layers, block, draft_layers, device):
     return target, DFlashDrafter.from_pretrained(os.path.join(path, "d"), device=device).bind(target)
 
 
+@torch.inference_mode()
 def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     """Per-stage milliseconds of one round after a real prefill, for one budget."""
     dev = target.device
