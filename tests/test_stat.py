@@ -34,12 +34,7 @@ ALPHA = st.ALPHA
 MIN_DRAFTS_PER_ROUND = 0.4  # measured: 0.68 (dflash argmax chain) .. 0.98 (sampled chain), 1.03 (ddtree budget 5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
