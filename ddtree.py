@@ -80,6 +80,8 @@ class Engine:
             # One graph per fixed shape (prefill chunk, decode step, round). dynamic=False: a graph that went
             # dynamic on the query length fails to build on CPU (REFERENCE.md §5). CUDA graphs where available.
             mode = "reduce-overhead" if self.device.type == "cuda" else None
+            # Every Engine compiles the same methods (same code objects) with its own guards: raise dynamo's
+            # per-code cache limit so a few engines (settings, budgets) don't fall back to eager.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.prefill_step, self.decode_step, self.round = (
                 torch.compile(f, dynamic=False, fullgraph=True, mode=mode)

@@ -121,8 +121,8 @@ class DFlashDrafter(nn.Module):
         """
         bs = self.block_size
         pos = start + torch.arange(bs, device=bonus.device)
-        tokens = torch.full((bs,), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
-        tokens = torch.cat([bonus.view(1), tokens[1:]])
+        masks = torch.full((bs - 1,), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
+        tokens = torch.cat([bonus.view(1), masks])
         logits = self(tokens, pos, pos, block_mask)[1:]
         if denoise_steps == 1:
             return logits
