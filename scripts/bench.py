@@ -30,6 +30,12 @@ from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 
 
+def write_json(path: str, obj):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -145,9 +151,7 @@ def main():
                   f"{t['tensor_eager_ms']:.1f} ms, tensor compiled {t['tensor_compiled_ms']:.1f} ms, "
                   f"identical trees: {t['equal']}")
     if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(a.json, results)
 
 
 if __name__ == "__main__":

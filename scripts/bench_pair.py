@@ -9,7 +9,6 @@ which inflates tau over generations). All methods run in one process, side by si
 """
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -18,7 +17,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from bench import round_split  # noqa: E402
+from bench import round_split, write_json  # noqa: E402
 from checkpoints import stdlib_files  # noqa: E402
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Text, generate  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
@@ -144,8 +143,7 @@ def main():
     chain_key = "dflash-1-T1"
     best_key = max((k for k in rows if k.startswith("ddtree") and k.endswith("T1")), key=lambda k: rows[k]["tau"])
     plots(rows, a.out, chain_key, best_key)
-    with open(os.path.join(a.out, "bench_pair.json"), "w") as f:
-        json.dump(dict(args=vars(a), rows=rows, round_split=splits), f, indent=1)
+    write_json(os.path.join(a.out, "bench_pair.json"), dict(args=vars(a), rows=rows, round_split=splits))
     print(f"\nbest tree {best_key}: tau {rows[best_key]['tau']:.2f} = {rows[best_key]['tau'] / rows[chain_key]['tau']:.2f}x "
           f"the chain's {rows[chain_key]['tau']:.2f}; wrote {a.out}/bench_pair.json, tau_speedup.png, "
           f"committed_per_round.png")

@@ -143,6 +143,21 @@ def random_dflash_weights(c: dict, seed: int = 1, std: float = 0.05) -> dict:
 # and the step, log and arguments in a small json (no pickle anywhere).
 
 
+def add_training_options(p, lr: float, weight_decay: float, bf16_help: str | None = None):
+    """The optimizer, precision, bookkeeping and machine options both training scripts take."""
+    import argparse
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=weight_decay)
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help=bf16_help)
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--files", type=int, default=0, help="use only the first N training files (tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+
+
 def save_train_state(run_dir: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, info: dict):
     """Write state.safetensors + state.json atomically (a crash mid-write leaves the previous state)."""
     os.makedirs(run_dir, exist_ok=True)

@@ -10,7 +10,6 @@ walk, commit; bench.py's round_split); the whole compiled round; tree build alon
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench import round_split, sync, timed, tree_alone  # noqa: E402
+from bench import round_split, sync, timed, tree_alone, write_json  # noqa: E402
 from ddtree import Engine, cache_length  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
@@ -125,9 +124,7 @@ def main():
     out["seconds"] = time.time() - t0
     print(f"total {out['seconds']:.0f} s")
     if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(a.json, out)
 
 
 if __name__ == "__main__":

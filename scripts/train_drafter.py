@@ -29,7 +29,6 @@ by drafter.DFlashDrafter.from_pretrained.
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -43,7 +42,8 @@ for p in (HERE, ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from checkpoints import load_train_state, save_checkpoint, save_train_state, stdlib_files  # noqa: E402
+from checkpoints import (add_training_options, load_train_state, save_checkpoint, save_train_state,  # noqa: E402
+                         stdlib_files)
 from drafter import (DFlashConfig, DFlashDrafter, block_inputs, block_labels, dflash_loss, diffusion_loss,  # noqa: E402
                      sample_anchors, training_logits, training_mask, zlab_config, zlab_weights)
 from model import Qwen3, read_json  # noqa: E402
@@ -221,16 +221,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-lengths", default="64,128,192,256", help="held-out context lengths for evaluation")
     p.add_argument("--steps", type=int, default=550, help="length of the run (the LR schedule)")
     p.add_argument("--stop-at", type=int, default=0, help="stop (save, export) at this step; rerun to continue")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--files", type=int, default=0, help="use only the first N training files (tests)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    add_training_options(p, lr=2e-3, weight_decay=0.01)
     return p.parse_args(argv)
 
 

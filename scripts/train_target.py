@@ -27,7 +27,6 @@ import textwrap
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +35,7 @@ for p in (HERE, ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from checkpoints import (CHAT_TEMPLATE, load_train_state, qwen3_config, save_checkpoint, save_train_state,  # noqa: E402
+from checkpoints import (CHAT_TEMPLATE, add_training_options, load_train_state, qwen3_config, save_checkpoint, save_train_state,  # noqa: E402
                          stdlib_files, train_tokenizer)
 from model import Qwen3, Qwen3Config, apply_rope, rope_cos_sin  # noqa: E402
 
@@ -251,18 +250,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--chat-fraction", type=float, default=0.2, help="share of tokens from chat-formatted samples")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                   help="bf16 autocast for the matmuls (fp32 weights and optimizer)")
-    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--files", type=int, default=0, help="use only the first N training files (tests)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    add_training_options(p, lr=3e-3, weight_decay=0.1,
+                         bf16_help="bf16 autocast for the matmuls (fp32 weights and optimizer)")
     return p.parse_args(argv)
 
 

@@ -16,7 +16,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 import ddtree
 import sampler

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ddtree import generate
-from drafter import (DFlashDrafter, block_inputs, block_labels, block_mask_mod, dense_block_mask, dflash_loss,
+from drafter import (DFlashDrafter, block_inputs, block_labels, dense_block_mask, dflash_loss,
                      diffusion_loss, flex_block_mask, training_logits, training_mask)
 from model import Qwen3
 from tree_attn import PrefixMask, causal
