@@ -73,12 +73,14 @@ def test_compiled_equals_eager_without_recompiles(pair):
     from torch._dynamo.utils import counters
     _, ours = pair
     ps = prompts(3, seed=1)
-    eager = [generate(ours, None, p, method="ar", max_new_tokens=12, stop_ids=[]).tokens for p in ps]
+    eager = [generate(ours, None, p, method="ar", max_new_tokens=n, stop_ids=[]).tokens
+             for p, n in zip(ps, (12, 60, 60))]
     compiled = [generate(ours, None, ps[0], method="ar", max_new_tokens=12, stop_ids=[], compile=True).tokens]
-    counters.clear()
-    compiled += [generate(ours, None, p, method="ar", max_new_tokens=12, stop_ids=[], compile=True).tokens
-                 for p in ps[1:]]
+    counters.clear()  # after warm-up: every later step must reuse the graphs, whatever the prompt length
+    runs = [generate(ours, None, p, method="ar", max_new_tokens=60, stop_ids=[], compile=True) for p in ps[1:]]
+    compiled += [r.tokens for r in runs]
     assert compiled == eager
+    assert sum(r.stats["rounds"] for r in runs) >= 100
     assert len(ps[1]) != len(ps[2]) != len(ps[0])
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])

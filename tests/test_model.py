@@ -4,7 +4,8 @@ Every checkpoint here is a tiny random Qwen3 written by `transformers` itself (`
 parameter perturbed after HF's init (so norm weights are not 1.0 and nothing sits at a convenient default), a
 non-default rope_theta (10000; Qwen3 ships 1e6) and head_dim != hidden / heads, so that reading a value from the
 wrong place, skipping a norm or mis-grouping GQA heads all show up far above the 1e-4 logits tolerance.
-Everything is fp32 and eager (no torch.compile); the whole file runs in well under a minute on one core.
+Everything is fp32 and eager except one small compiled test of Linear's one-row path; the whole file runs in
+about a minute on one core.
 """
 
 import gc
@@ -605,3 +606,21 @@ def test_bf16_load_peak_memory(ckpt, tmp_path):
     # Total RSS (ru_maxrss) also counts the mapped file's resident pages, which depend on the page cache and the
     # kernel's read-ahead: 294 MiB in one run, 440 MiB in a fresh CI clone. It is printed, not asserted.
     print(f"{what} peak RSS by {res['rss_growth_mib']:.0f} MiB (file {file_mib:.0f} MiB)")
+
+
+def test_linear_one_row_fast_path_is_taken_and_matches_matmul():
+    """Compiled on the CPU, one row goes through the fused multiply-reduce (no matmul call in the generated code)
+    and several rows through the matmul; both equal F.linear to float32 rounding, in fp32 and bf16."""
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        lin = model_mod.Linear(96, 300).to(dtype)
+        compiled = torch.compile(lin, dynamic=False, fullgraph=True)
+        for rows, uses_matmul in ((1, False), (3, True)):
+            x = torch.randn(rows, 96, dtype=dtype)
+            with torch.no_grad():
+                out, code = run_and_get_code(compiled, x)
+                ref = torch.nn.functional.linear(x.float(), lin.weight.float())
+            assert out.shape == (rows, 300) and out.dtype == dtype
+            assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), (dtype, rows)
+            assert ("extern_kernels.mm" in "".join(code)) == uses_matmul, (dtype, rows)
