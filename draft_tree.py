@@ -97,18 +97,22 @@ def build_tree_heap(logq: torch.Tensor, budget: int):
 def build_tree(logq: torch.Tensor, budget: int):
     """build_tree_heap's exact output from tensor ops: fixed shapes for a given (L, V, budget), no host sync.
 
-    Depth by depth, keep the best `budget` prefixes of that depth among the children of the previous depth's kept
+    Depth by depth, keep the best prefixes of that depth among the children of the previous depth's kept
     prefixes; then take the global best `budget` of all kept prefixes. This is exact: the answer G (the first
     `budget` prefixes of the global order) is a down-set of the order, so each depth's part of G is among the
-    children of the previous depth's part, and it is among the best `budget` of any candidate set containing it.
+    children of the previous depth's part, and it is among the best of any candidate set containing it.
     (The per-depth kept sets themselves may differ from the true per-depth top-B when float32 rounding makes
     different parent scores equal after adding a child's log-prob; G is unaffected.)
 
-    Cost per depth: `budget` x K candidates (512 x 512 at the paper's setting), one int64 topk over them. Cheap
-    on a GPU and when compiled; in eager mode on a CPU build_tree_heap is faster (same output, one host sync).
-    A tighter candidate set that stays exact: parent at key-order position pi of the frontier, child rank k, depth
-    D needs pi + k <= budget - D (all of those nodes precede it). The tempting (pi + 1)(k + 1) <= budget is NOT
-    exact: it assumes a child of an earlier parent comes first, which float32 ties break (see above).
+    Candidates are pruned by a bound that keeps every member of G: the child of rank k of the frontier entry at
+    key-order position pi, at depth D, comes after its k elder siblings, its D - 1 ancestors and the pi entries
+    before its parent (distinct nodes, all in G if it is), so it can be in G only if pi + k <= budget - D; and
+    at most budget - D + 1 nodes of depth D fit beside one path to the root. That is a triangle of about
+    budget^2 / 2 candidates per depth instead of budget x K. The tempting (pi + 1)(k + 1) <= budget is NOT exact:
+    it assumes a child of an earlier parent comes first, which float32 ties break (see above).
+
+    Cost per depth: one int64 topk over the triangle (~131k candidates at the paper's budget of 512). Cheap on a
+    GPU and when compiled; in eager mode on a CPU build_tree_heap is faster (same output, one host sync).
     """
     assert budget >= 1 and budget * min(budget, logq.shape[1]) < 2**32  # tie-breaks must fit order_key
     L, V = logq.shape
@@ -116,30 +120,36 @@ def build_tree(logq: torch.Tensor, budget: int):
     dev = logq.device
     topv, topi = topk_per_depth(logq, K)
 
-    # The frontier: the previous depth's kept prefixes, sorted by rank tuple (lexicographic). Then candidate
-    # j * K + k (child of rank k of frontier entry j) is also in lexicographic order, so its flat index is the
-    # tie-break of the order key. Depth 0 is the root alone, score 0.
+    # The frontier: the previous depth's kept prefixes in key order (best first), with each one's rank in
+    # lexicographic (rank tuple) order among them. A child's rank tuple order is then (parent's lexicographic
+    # rank, k), which is the tie-break of the order key. Depth 0 is the root alone, score 0.
     score = torch.zeros(1, device=dev)
-    scores, toks, parent_idx, depth_of = [], [], [], []
+    lex = torch.zeros(1, dtype=torch.int64, device=dev)
+    scores, ties, toks, parent_idx, depth_of = [], [], [], [], []
     prev_offset, offset = 0, 1  # index of the first kept prefix of a depth in the concatenation (0 = the root)
     for d in range(L):
-        F = score.shape[0]
-        cand = (score[:, None] + topv[d][None, :]).reshape(-1)
-        idx = torch.arange(F * K, device=dev)
-        n = min(budget, F * K)
-        keep = order_key(cand, idx).topk(n).indices.sort().values  # the best n, back in lexicographic order
-        score = cand[keep]
+        depth = d + 1
+        if budget - depth < 0:  # a node this deep needs more than `budget` nodes: no deeper depth can fit either
+            break
+        parent, child = triangle(score.shape[0], K, budget - depth, dev)
+        cand = score[parent] + topv[d][child]
+        tie = lex[parent] * K + child
+        n = min(budget - depth + 1, cand.shape[0])
+        keep = order_key(cand, tie).topk(n).indices  # best first: the next frontier, in key order
+        score, kept_tie = cand[keep], tie[keep]
+        lex = torch.empty_like(kept_tie).scatter_(0, kept_tie.argsort(), torch.arange(n, device=dev))
         scores.append(score)
-        toks.append(topi[d][keep % K])
-        parent_idx.append(prev_offset + keep // K)
-        depth_of.append(torch.full((n,), d + 1, device=dev))
+        ties.append(offset + lex)  # global tie-break: depth, then rank tuple = concatenation offset + lex rank
+        toks.append(topi[d][child[keep]])
+        parent_idx.append(prev_offset + parent[keep])
+        depth_of.append(torch.full((n,), depth, device=dev))
         prev_offset, offset = offset, offset + n
 
-    # Global order over everything kept: score, then depth, then ranks = the concatenation's own order.
+    # Global order over everything kept: score, then depth, then ranks.
     # If fewer than `budget` prefixes exist, pad with keys below every real one.
     N = offset - 1
     pad = max(budget - N, 0)
-    key = order_key(torch.cat(scores), torch.arange(N, device=dev))
+    key = order_key(torch.cat(scores), torch.cat(ties))
     key = torch.cat([key, torch.full((pad,), torch.iinfo(torch.int64).min, device=dev)])
     sel = key.topk(budget).indices  # pop order; padding (sel >= N) last
     real = sel < N
@@ -152,6 +162,17 @@ def build_tree(logq: torch.Tensor, budget: int):
     parents = row_of[torch.cat(parent_idx + [zero])[sel]]
     depths = torch.cat(depth_of + [zero])[sel]
     return (torch.where(real, tokens, 0), torch.where(real, parents, -1), torch.where(real, depths, 0))
+
+
+def triangle(F: int, K: int, limit: int, device):
+    """All (pi, k) with pi < F, k < K and pi + k <= limit, pi-major: two int64 tensors of a size known here, on
+    the host, so the shapes stay static under torch.compile."""
+    counts = [min(K, limit - pi + 1) for pi in range(min(F, limit + 1))]
+    total = sum(counts)
+    per_parent = torch.tensor(counts, device=device)
+    parent = torch.repeat_interleave(torch.arange(len(counts), device=device), per_parent, output_size=total)
+    first = torch.cumsum(per_parent, 0) - per_parent
+    return parent, torch.arange(total, device=device) - first[parent]
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:

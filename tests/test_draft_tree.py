@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree, topk_per_depth
+from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree, topk_per_depth, triangle
 
 INF = math.inf
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -137,6 +137,23 @@ def test_build_tree_equals_heap_larger(seed):
     logq = logits.log_softmax(-1)
     for budget in (1, 7, 33):
         assert_same(build_tree(logq, budget), build_tree_heap(logq, budget))
+
+
+@pytest.mark.parametrize("budget, ties", [(64, False), (256, False), (256, True), (300, True)])
+def test_build_tree_equals_heap_at_real_sizes(budget, ties):
+    # The paper's shape scaled down: depth 15, budget up to past V, so the candidate triangle is pruned hard at
+    # every depth (sharp logits: long chains; ties: many equal scores across parents).
+    g = torch.Generator().manual_seed(budget)
+    logits = torch.randint(0, 3, (15, 200), generator=g).float() if ties else torch.randn(15, 200, generator=g) * 4
+    logq = logits.log_softmax(-1)
+    assert_same(build_tree(logq, budget), build_tree_heap(logq, budget))
+
+
+@given(st.integers(1, 12), st.integers(1, 12), st.integers(0, 30))
+def test_triangle_is_every_pair_under_the_limit(F, K, limit):
+    parent, child = triangle(F, K, limit, "cpu")
+    want = [(p, k) for p in range(F) for k in range(K) if p + k <= limit]
+    assert list(zip(parent.tolist(), child.tolist())) == want
 
 
 def test_build_tree_equals_heap_when_rounding_reorders_siblings_of_different_parents():
