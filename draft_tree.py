@@ -127,15 +127,22 @@ def build_tree(logq: torch.Tensor, budget: int):
     lex = torch.zeros(1, dtype=torch.int64, device=dev)
     scores, ties, toks, parent_idx, depth_of = [], [], [], [], []
     prev_offset, offset = 0, 1  # index of the first kept prefix of a depth in the concatenation (0 = the root)
+    # One triangle for depth 1's limit serves every depth: it is pi-major, so a frontier of F entries is a
+    # prefix of it, and the few pairs past a deeper depth's smaller limit are masked out of the topk.
+    all_parents, all_children = triangle(budget, K, budget - 1, dev)
     for d in range(L):
         depth = d + 1
-        if budget - depth < 0:  # a node this deep needs more than `budget` nodes: no deeper depth can fit either
+        limit = budget - depth
+        if limit < 0:  # a node this deep needs more than `budget` nodes: no deeper depth can fit either
             break
-        parent, child = triangle(score.shape[0], K, budget - depth, dev)
+        F = score.shape[0]
+        size = sum(min(K, budget - pi) for pi in range(F))  # pairs with pi < F (F <= budget)
+        parent, child = all_parents[:size], all_children[:size]
         cand = score[parent] + topv[d][child]
         tie = lex[parent] * K + child
-        n = min(budget - depth + 1, cand.shape[0])
-        keep = order_key(cand, tie).topk(n).indices  # best first: the next frontier, in key order
+        key = torch.where(parent + child <= limit, order_key(cand, tie), torch.iinfo(torch.int64).min)
+        n = min(limit + 1, sum(max(0, min(K, limit - pi + 1)) for pi in range(F)))  # <= the unmasked pairs
+        keep = key.topk(n).indices  # best first: the next frontier, in key order
         score, kept_tie = cand[keep], tie[keep]
         lex = torch.empty_like(kept_tie).scatter_(0, kept_tie.argsort(), torch.arange(n, device=dev))
         scores.append(score)
@@ -170,8 +177,11 @@ def triangle(F: int, K: int, limit: int, device):
     counts = [min(K, limit - pi + 1) for pi in range(min(F, limit + 1))]
     total = sum(counts)
     per_parent = torch.tensor(counts, device=device)
-    parent = torch.repeat_interleave(torch.arange(len(counts), device=device), per_parent, output_size=total)
-    first = torch.cumsum(per_parent, 0) - per_parent
+    first = torch.cumsum(per_parent, 0) - per_parent  # flat index of each parent's first child
+    # parent = how many parents start at or before each flat index, minus one: a cumsum of start marks
+    # (repeat_interleave does the same but lowers to a binary search per entry, 8x slower on the CPU).
+    starts = torch.zeros(total, dtype=torch.int64, device=device).index_fill_(0, first[1:], 1)
+    parent = torch.cumsum(starts, 0)
     return parent, torch.arange(total, device=device) - first[parent]
 
 
