@@ -2,6 +2,11 @@
 the paper's size. Prints tables and writes JSON.
 
     python scripts/bench.py [--budgets 16 64 256 512 1024] [--compile] [--threads 2] [--json out/bench.json]
+    python scripts/bench.py --compile --scorecard    # also the fast path's three CPU goals, side by side
+
+--scorecard adds, in the same run: compiled AR beside transformers' generate on the random target's weights
+(goal >= 1.5x), and compiled AR, DFlash chain and DDTree per budget in tokens/s on the bundled trained pair
+(goal: DDTree at its best budget >= the chain); the round table gives the third goal (compiled overhead <= 10%).
 
 Each round stage is the engine's own method (Engine.draft, propose, tree_mask, verify, accept, commit), timed
 with a device sync around it; with --compile the two forwards (draft, verify) run compiled, as the engine runs
@@ -54,8 +59,8 @@ def timed(fn, device, repeats):
     return statistics.median(times), out
 
 
-def random_pair(vocab, hidden, layers, block, draft_layers, device):
-    path = tempfile.mkdtemp()
+def random_pair(vocab, hidden, layers, block, draft_layers, device, path=None):
+    path = path or tempfile.mkdtemp()
     tc = qwen3_config(vocab, hidden=hidden, inter=3 * hidden, layers=layers, heads=max(1, hidden // 64),
                       kv_heads=max(1, hidden // 128), head_dim=64)
     save_checkpoint(os.path.join(path, "t"), tc, random_qwen3_weights(tc))
@@ -125,12 +130,14 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--skip-tree-alone", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--scorecard", action="store_true", help="also the compiled fast path's CPU goals (see above)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
     results = {"args": vars(a), "rounds": {}}
     with torch.inference_mode():
-        target, drafter = random_pair(a.vocab, a.hidden, a.layers, a.block, a.draft_layers, dev)
+        tmp = tempfile.mkdtemp()
+        target, drafter = random_pair(a.vocab, a.hidden, a.layers, a.block, a.draft_layers, dev, tmp)
         print(f"random pair: target {a.layers} layers hidden {a.hidden} vocab {a.vocab}; drafter {a.draft_layers} "
               f"layer(s), block {a.block}; {dev}, {torch.get_num_threads()} threads, "
               f"{'forwards compiled' if a.compile else 'eager'}; median of {a.repeats}, ms")
@@ -150,8 +157,43 @@ def main():
             print(f"tree build alone, V=151936, depth 15, B=512: heap {t['heap_ms']:.1f} ms, tensor eager "
                   f"{t['tensor_eager_ms']:.1f} ms, tensor compiled {t['tensor_compiled_ms']:.1f} ms, "
                   f"identical trees: {t['equal']}")
+        if a.scorecard:
+            results["scorecard"] = scorecard(os.path.join(tmp, "t"), a.vocab, a.repeats)
     if a.json:
         write_json(a.json, results)
+
+
+def scorecard(target_path: str, vocab: int, repeats: int, new: int = 128):
+    """The CPU goals of the compiled fast path, measured side by side in this process."""
+    from bench_ar import compare, print_rows
+    from bench_pair import held_out_code, run
+    from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Text
+    out = {}
+    prompt = torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = compare(target_path, prompt, new, repeats)
+    print(f"\nAR on the random target's weights (greedy, prompt 32, {new} new tokens, best of {repeats}):")
+    print_rows(rows, new)
+    out["ar_tokens_per_s"] = {name: new / sec for name, sec, _ in rows}
+    ar_ratio = rows[0][1] / rows[2][1]
+
+    target = Qwen3.from_pretrained(DEFAULT_TARGET, device="cpu")
+    drafter = DFlashDrafter.from_pretrained(DEFAULT_DRAFT, device="cpu").bind(target)
+    prompts = held_out_code(Text(target.path), 4, 64, 160, seed=0)  # as bench_pair.py
+    print(f"\nbundled pair, compiled, greedy, 4 held-out prompts x {new} new tokens:")
+    print(f"{'method':8s} {'B':>5s} {'tau':>6s} {'tok/s':>8s}")
+    pair = {}
+    for method, budget in [("ar", 1), ("dflash", 1)] + [("ddtree", b) for b in (4, 16, 64, 256)]:
+        r = run(target, None if method == "ar" else drafter, prompts, method, budget, new, True, 1)
+        pair[f"{method}-{budget}"] = r
+        print(f"{method:8s} {budget if method == 'ddtree' else '':>5} {r['tau']:6.2f} {r['tokens_per_s']:8.1f}",
+              flush=True)
+    best = max((k for k in pair if k.startswith("ddtree")), key=lambda k: pair[k]["tokens_per_s"])
+    tree_ratio = pair[best]["tokens_per_s"] / pair["dflash-1"]["tokens_per_s"]
+    out["pair"] = {k: {"tau": v["tau"], "tokens_per_s": v["tokens_per_s"]} for k, v in pair.items()}
+    print(f"\ncompiled AR / transformers generate: {ar_ratio:.2f}x (goal >= 1.5x)")
+    print(f"compiled DDTree at its best budget ({best}) / compiled chain: {tree_ratio:.2f}x (goal >= 1)")
+    out.update(ar_ratio=ar_ratio, best_tree=best, tree_over_chain=tree_ratio)
+    return out
 
 
 if __name__ == "__main__":

@@ -29,6 +29,40 @@ def best_of(fn, repeats):
     return min(times), out
 
 
+def compare(path: str, prompt: list, new: int, repeats: int):
+    """(name, seconds, tokens) for transformers' generate, our eager AR and our compiled AR on the checkpoint at
+    `path`, greedy, `new` tokens, best of `repeats` (compilation not timed)."""
+    from transformers import Qwen3ForCausalLM
+    ours = Qwen3.from_pretrained(path, device="cpu")
+    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    def run_hf():
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    def run_ours(compile):
+        return lambda: generate(ours, None, prompt, method="ar", max_new_tokens=new, stop_ids=[],
+                                compile=compile).tokens
+
+    rows = [("transformers generate",) + best_of(run_hf, repeats)]
+    rows.append(("ours eager",) + best_of(run_ours(False), repeats))
+    t = time.perf_counter()
+    run_ours(True)()  # compile (not timed below)
+    print(f"compile + first run: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    rows.append(("ours compiled",) + best_of(run_ours(True), repeats))
+    return rows
+
+
+def print_rows(rows, new):
+    t_hf, ref = rows[0][1], rows[0][2]
+    print(f"{'':24s} {'tokens/s':>9s} {'vs transformers':>16s} {'same tokens':>12s}")
+    for name, seconds, tokens in rows:
+        print(f"{name:24s} {new / seconds:9.1f} {t_hf / seconds:15.2f}x {str(tokens == ref):>12s}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
@@ -44,37 +78,11 @@ def main():
     config = qwen3_config(a.vocab, hidden=a.hidden, inter=3 * a.hidden, layers=a.layers, heads=a.hidden // 64,
                           kv_heads=max(1, a.hidden // 128), head_dim=64)
     save_checkpoint(path, config, random_qwen3_weights(config))
-    ours = Qwen3.from_pretrained(path, device="cpu")
     prompt = torch.randint(0, a.vocab, (a.prompt_len,)).tolist()
-
-    from transformers import Qwen3ForCausalLM
-    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-
-    def run_hf():
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new, min_new_tokens=a.new,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[0, a.prompt_len:].tolist()
-
-    def run_ours(compile):
-        return lambda: generate(ours, None, prompt, method="ar", max_new_tokens=a.new, stop_ids=[],
-                                compile=compile).tokens
-
-    rows = []
-    t_hf, ref = best_of(run_hf, a.repeats)
-    rows.append(("transformers generate", t_hf, ref))
-    rows.append(("ours eager",) + best_of(run_ours(False), a.repeats))
-    t = time.perf_counter()
-    run_ours(True)()  # compile (not timed below)
-    print(f"compile + first run: {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    rows.append(("ours compiled",) + best_of(run_ours(True), a.repeats))
-
+    rows = compare(path, prompt, a.new, a.repeats)
     print(f"random Qwen3: {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, fp32, CPU "
           f"({torch.get_num_threads()} threads), prompt {a.prompt_len}, {a.new} new tokens, best of {a.repeats}")
-    print(f"{'':24s} {'tokens/s':>9s} {'vs transformers':>16s} {'same tokens':>12s}")
-    for name, seconds, tokens in rows:
-        print(f"{name:24s} {a.new / seconds:9.1f} {t_hf / seconds:15.2f}x {str(tokens == ref):>12s}")
+    print_rows(rows, a.new)
 
 
 if __name__ == "__main__":

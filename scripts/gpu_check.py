@@ -108,13 +108,14 @@ def main():
             print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor)", flush=True)
         out["rounds"] = {}
         print(f"{'B':>5s} {'draft':>8s} {'tree':>8s} {'mask':>8s} {'verify':>8s} {'walk':>8s} {'commit':>8s} "
-              f"{'round':>8s} {'overhead':>9s}  (ms; stages eager except the two compiled forwards)")
+              f"{'round':>8s} {'overhead':>9s} {'compiled':>9s}  (ms; stages eager except the two compiled forwards;"
+              f" overhead: tree + mask + walk + commit share of the stages; compiled: (round - draft - verify) / round)")
         for budget in a.budgets:
             ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)
             out["rounds"][budget] = ms
             print(f"{budget:5d} " + " ".join(f"{ms[c]:8.2f}" for c in
                                              ("draft", "tree", "mask", "verify", "walk", "commit", "round"))
-                  + f" {ms['overhead_pct']:8.1f}%", flush=True)
+                  + f" {ms['overhead_pct']:8.1f}% {ms['round_overhead_pct']:8.1f}%", flush=True)
         t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
         out["tree_alone"] = t
         print(f"tree build alone (V={target.config.vocab_size}, depth 15, B=512): heap {t['heap_ms']:.2f} ms, "
