@@ -133,13 +133,14 @@ def main():
 
     splits = {}
     print(f"\nround split (ms, stages eager{' but the forwards compiled' if a.compile else ''}):")
-    print(f"{'B':>5s} {'draft':>7s} {'tree':>7s} {'mask':>7s} {'verify':>7s} {'walk':>7s} {'commit':>7s} "
-          f"{'overhead':>9s}")
+    print(f"{'B':>5s} {'draft':>7s} {'tree':>7s} {'mask':>7s} {'verify':>7s} {'walk':>7s} {'compact':>7s} "
+          f"{'context':>7s} {'overhead':>9s}")
     for budget in a.budgets:
         ms = round_split(target, drafter, budget, a.compile, repeats=5, prompt_len=128)
         splits[budget] = ms
         print(f"{budget:5d} " + " ".join(f"{ms[c]:7.2f}" for c in ("draft", "tree", "mask", "verify", "walk",
-                                                                      "commit")) + f" {ms['overhead_pct']:8.1f}%")
+                                                                      "compact", "context"))
+              + f" {ms['overhead_pct']:8.1f}%")
     chain_key = "dflash-1-T1"
     best_key = max((k for k in rows if k.startswith("ddtree") and k.endswith("T1")), key=lambda k: rows[k]["tau"])
     plots(rows, a.out, chain_key, best_key)

@@ -6,7 +6,7 @@ random weights in bf16, built directly on the device (no 16 GB checkpoint to wri
 
 Prints and writes: the measured device copy bandwidth and the AR step's bandwidth floor (weight bytes / bandwidth)
 beside the measured AR step (eager, compiled, CUDA graphs); the round split per budget (draft, tree, mask, verify,
-walk, commit; bench.py's round_split); the whole compiled round; tree build alone at the paper's size.
+walk, compact, context; bench.py's round_split); the whole compiled round; tree build alone at the paper's size.
 """
 
 import argparse
@@ -107,14 +107,17 @@ def main():
             out[f"ar_{mode}_ms"] = ms
             print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor)", flush=True)
         out["rounds"] = {}
-        print(f"{'B':>5s} {'draft':>8s} {'tree':>8s} {'mask':>8s} {'verify':>8s} {'walk':>8s} {'commit':>8s} "
+        print(f"{'B':>5s} {'draft':>8s} {'tree':>8s} {'mask':>8s} {'verify':>8s} {'walk':>8s} {'compact':>8s} "
+              f"{'context':>8s} "
               f"{'round':>8s} {'overhead':>9s} {'compiled':>9s}  (ms; stages eager except the two compiled forwards;"
-              f" overhead: tree + mask + walk + commit share of the stages; compiled: (round - draft - verify) / round)")
+              f" overhead: tree + mask + walk + compact share of the stages; compiled: (round - draft - context - verify)"
+              f" / round)")
         for budget in a.budgets:
             ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)
             out["rounds"][budget] = ms
             print(f"{budget:5d} " + " ".join(f"{ms[c]:8.2f}" for c in
-                                             ("draft", "tree", "mask", "verify", "walk", "commit", "round"))
+                                             ("draft", "tree", "mask", "verify", "walk", "compact", "context",
+                                              "round"))
                   + f" {ms['overhead_pct']:8.1f}% {ms['round_overhead_pct']:8.1f}%", flush=True)
         t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
         out["tree_alone"] = t
