@@ -109,7 +109,7 @@ def main():
         out["rounds"] = {}
         print(f"{'B':>5s} {'draft':>8s} {'tree':>8s} {'mask':>8s} {'verify':>8s} {'walk':>8s} {'compact':>8s} "
               f"{'context':>8s} "
-              f"{'round':>8s} {'overhead':>9s} {'compiled':>9s}  (ms; stages eager except the two compiled forwards;"
+              f"{'round':>8s} {'overhead':>9s} {'compiled':>9s}  (ms; stages eager except the compiled forwards;"
               f" overhead: tree + mask + walk + compact share of the stages; compiled: (round - draft - context - verify)"
               f" / round)")
         for budget in a.budgets:
