@@ -136,12 +136,12 @@ def build_tree(logq: torch.Tensor, budget: int):
         if limit < 0:  # a node this deep needs more than `budget` nodes: no deeper depth can fit either
             break
         F = score.shape[0]
-        size = sum(min(K, budget - pi) for pi in range(F))  # pairs with pi < F (F <= budget)
+        size = pairs_within(F, K, budget - 1)  # the triangle's pairs with pi < F
         parent, child = all_parents[:size], all_children[:size]
         cand = score[parent] + topv[d][child]
         tie = lex[parent] * K + child
         key = torch.where(parent + child <= limit, order_key(cand, tie), torch.iinfo(torch.int64).min)
-        n = min(limit + 1, sum(max(0, min(K, limit - pi + 1)) for pi in range(F)))  # <= the unmasked pairs
+        n = min(limit + 1, pairs_within(F, K, limit))  # no more than the unmasked pairs
         keep = key.topk(n).indices  # best first: the next frontier, in key order
         score, kept_tie = cand[keep], tie[keep]
         lex = torch.empty_like(kept_tie).scatter_(0, kept_tie.argsort(), torch.arange(n, device=dev))
@@ -171,15 +171,23 @@ def build_tree(logq: torch.Tensor, budget: int):
     return (torch.where(real, tokens, 0), torch.where(real, parents, -1), torch.where(real, depths, 0))
 
 
+def pairs_within(F: int, K: int, limit: int) -> int:
+    """How many (pi, k) have pi < F, k < K and pi + k <= limit: rows 0..full-1 hold all K children, the rows
+    after them limit + 1 - pi each (closed form: build_tree asks this at every depth of every round)."""
+    rows = max(0, min(F, limit + 1))
+    full = max(0, min(limit + 2 - K, rows))
+    return full * K + (rows - full) * (limit + 1) - (rows - 1 + full) * (rows - full) // 2
+
+
 def triangle(F: int, K: int, limit: int, device):
-    """All (pi, k) with pi < F, k < K and pi + k <= limit, pi-major: two int64 tensors of a size known here, on
-    the host, so the shapes stay static under torch.compile."""
-    counts = [min(K, limit - pi + 1) for pi in range(min(F, limit + 1))]
-    total = sum(counts)
-    per_parent = torch.tensor(counts, device=device)
+    """All (pi, k) with pi < F, k < K and pi + k <= limit, pi-major: two int64 tensors whose size is known on the
+    host, so the shapes stay static under torch.compile."""
+    rows = max(0, min(F, limit + 1))
+    per_parent = (limit + 1 - torch.arange(rows, device=device)).clamp(max=K)
     first = torch.cumsum(per_parent, 0) - per_parent  # flat index of each parent's first child
     # parent = how many parents start at or before each flat index, minus one: a cumsum of start marks
     # (repeat_interleave does the same but lowers to a binary search per entry, 8x slower on the CPU).
+    total = pairs_within(F, K, limit)
     starts = torch.zeros(total, dtype=torch.int64, device=device).index_fill_(0, first[1:], 1)
     parent = torch.cumsum(starts, 0)
     return parent, torch.arange(total, device=device) - first[parent]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree, topk_per_depth, triangle
+from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree, pairs_within, topk_per_depth, triangle
 
 INF = math.inf
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -154,6 +154,8 @@ def test_triangle_is_every_pair_under_the_limit(F, K, limit):
     parent, child = triangle(F, K, limit, "cpu")
     want = [(p, k) for p in range(F) for k in range(K) if p + k <= limit]
     assert list(zip(parent.tolist(), child.tolist())) == want
+    assert pairs_within(F, K, limit) == len(want)
+    assert pairs_within(F, K, -1 - limit) == 0
 
 
 def test_build_tree_equals_heap_when_rounding_reorders_siblings_of_different_parents():
