@@ -164,9 +164,14 @@ class Engine:
         return walk_tree(parents, tokens, self.pick(logits, noise), self.depth)
 
     def commit(self, start, path, pos, features):
-        slots = start + torch.arange(self.depth + 1, device=path.device)
         compact_kv(self.target.kv_caches(), start, path)
-        self.drafter.append_context(features[path], pos[path], slots)
+        self.extend_context(start, features[path], pos[path])
+
+    def extend_context(self, start, features, positions):
+        """The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
+        computes it inside the drafter pass), in the slots after `start`."""
+        slots = start + torch.arange(self.depth + 1, device=features.device)
+        self.drafter.append_context(features, positions, slots)
 
     def propose(self, draft_logits, draft_noise):
         """(tokens, parents, depths, q): the nodes in parent-first order; q the warped draft law when the chain's

@@ -49,23 +49,21 @@ def sync(device):
 
 
 def timed(fn, device, repeats):
-    """Median milliseconds of fn() over `repeats` calls (after one warm-up), and its last output."""
-    out = fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        out = fn()
-        sync(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), out
+    """Median milliseconds of fn() over `repeats` calls (after one warm-up), and its output."""
+    return interleaved([fn], device, repeats)[0], fn()
+
+
+def save_random_target(path, vocab, hidden, layers) -> dict:
+    """The benchmarks' random Qwen3 (head_dim 64, GQA 2, MLP 3x hidden) written to `path`; returns its config."""
+    tc = qwen3_config(vocab, hidden=hidden, inter=3 * hidden, layers=layers, heads=max(1, hidden // 64),
+                      kv_heads=max(1, hidden // 128), head_dim=64)
+    save_checkpoint(path, tc, random_qwen3_weights(tc))
+    return tc
 
 
 def random_pair(vocab, hidden, layers, block, draft_layers, device, path=None):
     path = path or tempfile.mkdtemp()
-    tc = qwen3_config(vocab, hidden=hidden, inter=3 * hidden, layers=layers, heads=max(1, hidden // 64),
-                      kv_heads=max(1, hidden // 128), head_dim=64)
-    save_checkpoint(os.path.join(path, "t"), tc, random_qwen3_weights(tc))
+    tc = save_random_target(os.path.join(path, "t"), vocab, hidden, layers)
     dc = dflash_config(tc, layers=draft_layers, block_size=block,
                        target_layer_ids=[min(i, layers - 2) for i in range(1, 1 + draft_layers)])
     save_checkpoint(os.path.join(path, "d"), dc, random_dflash_weights(dc))
@@ -80,9 +78,8 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     engine = Engine(target, drafter, "ddtree", budget, Sampling(), cache_length(prompt_len, 64, budget + 32),
                     compile=False)
     # The drafter's forward comes in two parts in our round: the block pass (draft) and, at commit, the context
-    # K/V of the newly committed tokens from their target features (fc, norm, K/V projections; DFlash's own code
-    # does this inside its drafter forward). Both count as the drafter's forward, not as tree overhead.
-    context = lambda feats, positions, slots: drafter.append_context(feats, positions, slots)  # noqa: E731
+    # K/V of the committed tokens (extend_context). Both count as the drafter's forward, not as tree overhead.
+    context = engine.extend_context
     if compile:
         mode = "reduce-overhead" if dev.type == "cuda" else None  # the whole round as a CUDA graph
         engine.draft = torch.compile(engine.draft, dynamic=False, fullgraph=True)
@@ -100,18 +97,17 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
         lambda: engine.verify(bonus, tokens, depths, start, mask), dev, repeats)
     ms["walk"], (path, length, nxt) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
                                             repeats)
-    slots = start + torch.arange(engine.depth + 1, device=dev)
+    feats, positions = features[path], pos[path]
     ms["compact"], _ = timed(lambda: compact_kv(target.kv_caches(), start, path), dev, repeats)
-    ms["context"], _ = timed(lambda: context(features[path], pos[path], slots), dev, repeats)
+    ms["context"], _ = timed(lambda: context(start, feats, positions), dev, repeats)
     ms["sum"] = sum(ms.values())
     ms["overhead_pct"] = 100 * (ms["tree"] + ms["mask"] + ms["walk"] + ms["compact"]) / ms["sum"]
     if compile:
         # The whole round compiled: what it costs beyond the forwards is the real tree overhead. They are timed
         # interleaved (round, draft, context, verify, round, ...) so a noisy machine shifts all of them alike.
-        feats, positions = features[path], pos[path]
         whole, fwd_d, fwd_c, fwd_v = interleaved([lambda: engine.round(bonus, start, None, None, None),
                                                   lambda: engine.draft(bonus, start),
-                                                  lambda: context(feats, positions, slots),
+                                                  lambda: context(start, feats, positions),
                                                   lambda: engine.verify(bonus, tokens, depths, start, mask)],
                                                  dev, 3 * repeats)
         ms["round"] = whole

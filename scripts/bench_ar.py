@@ -15,7 +15,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint  # noqa: E402
+from bench import save_random_target  # noqa: E402
 from ddtree import generate  # noqa: E402
 from model import Qwen3  # noqa: E402
 
@@ -75,9 +75,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     path = tempfile.mkdtemp()
-    config = qwen3_config(a.vocab, hidden=a.hidden, inter=3 * a.hidden, layers=a.layers, heads=a.hidden // 64,
-                          kv_heads=max(1, a.hidden // 128), head_dim=64)
-    save_checkpoint(path, config, random_qwen3_weights(config))
+    save_random_target(path, a.vocab, a.hidden, a.layers)
     prompt = torch.randint(0, a.vocab, (a.prompt_len,)).tolist()
     rows = compare(path, prompt, a.new, a.repeats)
     print(f"random Qwen3: {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, fp32, CPU "
