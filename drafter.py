@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, default_device, load_weights, parse_dtype,
-                   read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq)
+from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, default_device, kv_cache_length, load_weights,
+                   parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -67,7 +67,6 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, None), persistent=False)
         self.target_parts = None  # (embed_tokens, lm_head) of the bound target: used, not owned (no state_dict)
-        self.cache_len = 0
         self.path: str | None = None
 
     @property
@@ -88,10 +87,12 @@ class DFlashDrafter(nn.Module):
         self.target_parts = (target.embed_tokens, target.lm_head)
         return self
 
+    @property
+    def cache_len(self) -> int:
+        return kv_cache_length(self.layers)
+
     def setup_cache(self, length: int):
-        if length != self.cache_len:
-            allocate_kv_caches(self.layers, length, self.dtype, self.device)
-            self.cache_len = length
+        allocate_kv_caches(self.layers, length, self.dtype, self.device)
 
     def append_context(self, features, positions, cache_pos):
         """Write the context K/V of committed tokens: features [W, len(ids) * hidden] (the target's chosen-layer

@@ -230,13 +230,23 @@ class Block(nn.Module):
 
 def allocate_kv_caches(layers, length: int, dtype, device):
     """One K and one V buffer per layer ([1, kv_heads, length, head_dim]; one buffer per layer, since views of a
-    stacked buffer gave wrong results through compiled FlexAttention, REFERENCE.md §5)."""
+    stacked buffer gave wrong results through compiled FlexAttention, REFERENCE.md §5). Buffers that already have
+    that shape, dtype and device are kept (compiled graphs and CUDA graphs hold on to them)."""
     with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
         for layer in layers:
             attn = layer.self_attn
             shape = (1, attn.kv_heads, length, attn.head_dim)
+            old = attn.k_cache
+            if old is not None and old.shape == shape and old.dtype == dtype and old.device == torch.device(device):
+                continue
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_cache_length(layers) -> int:
+    """Slots in the layers' K/V buffers (0 before the first allocate_kv_caches)."""
+    k = layers[0].self_attn.k_cache
+    return 0 if k is None else k.shape[2]
 
 
 class Qwen3(nn.Module):
@@ -251,7 +261,6 @@ class Qwen3(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, None), persistent=False)
-        self.cache_len = 0
         self.eos_ids: list[int] = []
         self.path: str | None = None
 
@@ -263,11 +272,13 @@ class Qwen3(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
+    @property
+    def cache_len(self) -> int:
+        return kv_cache_length(self.layers)
+
     def setup_cache(self, length: int):
         """Allocate (or reuse) one K and one V buffer per layer for `length` slots (a multiple of 128)."""
-        if length != self.cache_len:
-            allocate_kv_caches(self.layers, length, self.dtype, self.device)
-            self.cache_len = length
+        allocate_kv_caches(self.layers, length, self.dtype, self.device)
 
     def kv_caches(self):
         for layer in self.layers:
