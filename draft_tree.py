@@ -11,12 +11,14 @@ Two builders with identical output (same tensors, bit for bit):
     build_tree_heap  the paper's Algorithm 1, a best-first heap on the host: the readable reference
     build_tree       the same tree from fixed-shape tensor ops without host syncs: torch.compile / CUDA graphs
 
-Order. A prefix is a rank tuple (r_1..r_d) (r_i = rank of its token among depth i's tokens: log-prob descending,
-ties by token id ascending). Its score is the float32 sum of its log-probs, accumulated root to leaf as
-parent_score + logq[d, token], starting from 0.0. Nodes are ordered by the key (-score, depth, ranks) with ranks
-compared lexicographically. As log-probs are <= 0 and float32 rounding is monotone, a child never comes before its
-parent, nor a sibling before its elder sibling; so the heap pops in exactly this global order, and the first B
-of it are prefix-closed.
+Order. A prefix's score is the float32 sum of its log-probs, accumulated root to leaf as parent_score +
+logq[d, token], starting from 0.0; its rank r_d is its token's rank among depth d's tokens (log-prob descending,
+ties by token id ascending). Nodes are ordered by the key (-score, depth, parent's place in the order, rank), a
+recursive definition: depth d's order depends on depth d - 1's. As log-probs are <= 0 and float32 rounding is
+monotone, a child never comes before its parent, nor a sibling before its elder sibling; so the heap pops in
+exactly this global order, and the first B of it are prefix-closed. Breaking score ties by the parent's place
+(not by the rank tuple) is what makes build_tree's tight candidate bound exact: a child of an earlier parent
+with a rank no larger scores at least as high (monotone rounding) and so always comes first.
 
 Output (both builders), for the verify input [bonus, node_1, ..., node_B] (row 0 is the bonus, the tree's root,
 not counted in the budget; node i, 0-based, is row i + 1), in pop order so parents precede children:
@@ -28,7 +30,9 @@ When fewer than B prefixes exist (V^1 + ... + V^L < B) the tail is padding: toke
 logq must hold log-probabilities (<= 0, no NaN); -inf (probability 0) is fine.
 """
 
+import functools
 import heapq
+import itertools
 import math
 import struct
 
@@ -74,22 +78,21 @@ def build_tree_heap(logq: torch.Tensor, budget: int):
     K = min(budget, V)
     topv, topi = (t.tolist() for t in topk_per_depth(logq, K))
     tokens, parents, depths = [0] * budget, [-1] * budget, [0] * budget
-    # Heap items: (-score, depth, ranks) is the order key (ranks are unique, so the rest is never compared),
-    # then what the pushes need: the parent's score (a sibling's score is parent_score + its own log-prob,
-    # the same addition build_tree does) and the parent's row.
-    heap = [(-f32(0.0 + topv[0][0]), 1, (0,), 0.0, 0)]
+    # Heap items: (-score, depth, parent's row, rank) is the order key (the parent's row is its place in the pop
+    # order, and the four are unique, so the rest is never compared), then what the pushes need: the parent's
+    # score (a sibling's score is parent_score + its own log-prob, the same addition build_tree does).
+    heap = [(-f32(0.0 + topv[0][0]), 1, 0, 0, 0.0)]
     n = 0
     while n < budget and heap:
-        neg_score, d, ranks, parent_score, parent_row = heapq.heappop(heap)
-        score, r = -neg_score, ranks[-1]
+        neg_score, d, parent_row, r, parent_score = heapq.heappop(heap)
         tokens[n], parents[n], depths[n] = topi[d - 1][r], parent_row, d
         n += 1  # this node is row n
         if r + 1 < K:  # next sibling
             s = f32(parent_score + topv[d - 1][r + 1])
-            heapq.heappush(heap, (-s, d, ranks[:-1] + (r + 1,), parent_score, parent_row))
+            heapq.heappush(heap, (-s, d, parent_row, r + 1, parent_score))
         if d < L:  # first child
-            s = f32(score + topv[d][0])
-            heapq.heappush(heap, (-s, d + 1, ranks + (0,), score, n))
+            s = f32(-neg_score + topv[d][0])
+            heapq.heappush(heap, (-s, d + 1, n, 0, -neg_score))
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=logq.device)
     return as_tensor(tokens), as_tensor(parents), as_tensor(depths)
 
@@ -99,20 +102,18 @@ def build_tree(logq: torch.Tensor, budget: int):
 
     Depth by depth, keep the best prefixes of that depth among the children of the previous depth's kept
     prefixes; then take the global best `budget` of all kept prefixes. This is exact: the answer G (the first
-    `budget` prefixes of the global order) is a down-set of the order, so each depth's part of G is among the
-    children of the previous depth's part, and it is among the best of any candidate set containing it.
-    (The per-depth kept sets themselves may differ from the true per-depth top-B when float32 rounding makes
-    different parent scores equal after adding a child's log-prob; G is unaffected.)
+    `budget` prefixes of the global order) is a down-set of the order, so each depth's part of G is a prefix of
+    that depth's kept list, its children are among the candidates, and it is among the best of any candidate set
+    containing it.
 
-    Candidates are pruned by a bound that keeps every member of G: the child of rank k of the frontier entry at
-    key-order position pi, at depth D, comes after its k elder siblings, its D - 1 ancestors and the pi entries
-    before its parent (distinct nodes, all in G if it is), so it can be in G only if pi + k <= budget - D; and
-    at most budget - D + 1 nodes of depth D fit beside one path to the root. That is a triangle of about
-    budget^2 / 2 candidates per depth instead of budget x K. The tempting (pi + 1)(k + 1) <= budget is NOT exact:
-    it assumes a child of an earlier parent comes first, which float32 ties break (see above).
+    Candidates are pruned by a bound that keeps every member of G. Take the child c of rank k of the frontier
+    entry at key-order position pi, at depth D. If c is in G, so is everything before it: its D - 1 ancestors,
+    the pi frontier entries before its parent, their children of rank <= k (each scores at least c's score, and
+    a tie goes to the earlier parent: see Order above), and c's k elder siblings. These are distinct nodes, so
+    D + pi * (k + 2) + k <= budget. Per depth that is a hyperbola of about budget * ln(budget) candidates (about
+    3k at the paper's budget of 512) instead of budget x K, and at most budget - D + 1 of them are kept.
 
-    Cost per depth: one int64 topk over the triangle (~131k candidates at the paper's budget of 512). Cheap on a
-    GPU and when compiled; in eager mode on a CPU build_tree_heap is faster (same output, one host sync).
+    Cost: one int64 topk per depth over a few thousand candidates, and a final one over the kept prefixes.
     """
     assert budget >= 1 and budget * min(budget, logq.shape[1]) < 2**32  # tie-breaks must fit order_key
     L, V = logq.shape
@@ -120,39 +121,36 @@ def build_tree(logq: torch.Tensor, budget: int):
     dev = logq.device
     topv, topi = topk_per_depth(logq, K)
 
-    # The frontier: the previous depth's kept prefixes in key order (best first), with each one's rank in
-    # lexicographic (rank tuple) order among them. A child's rank tuple order is then (parent's lexicographic
-    # rank, k), which is the tie-break of the order key. Depth 0 is the root alone, score 0.
+    # The frontier: the previous depth's kept prefixes in key order (best first), so a child's tie-break is
+    # (its parent's position in the frontier, its rank). Depth 0 is the root alone, score 0.
     score = torch.zeros(1, device=dev)
-    lex = torch.zeros(1, dtype=torch.int64, device=dev)
     scores, ties, toks, parent_idx, depth_of = [], [], [], [], []
     prev_offset, offset = 0, 1  # index of the first kept prefix of a depth in the concatenation (0 = the root)
-    # One triangle for depth 1's limit serves every depth: it is pi-major, so a frontier of F entries is a
-    # prefix of it, and the few pairs past a deeper depth's smaller limit are masked out of the topk.
-    all_parents, all_children = triangle(budget, K, budget - 1, dev)
+    # One candidate set for depth 1's limit serves every depth: it is pi-major, so a frontier of F entries is a
+    # prefix of it, and the pairs past a deeper depth's smaller limit are masked out of the topk.
+    all_parents, all_children = candidate_pairs(budget, K, budget - 1, dev)
     for d in range(L):
         depth = d + 1
         limit = budget - depth
         if limit < 0:  # a node this deep needs more than `budget` nodes: no deeper depth can fit either
             break
-        F = score.shape[0]
-        size = pairs_within(F, K, budget - 1)  # the triangle's pairs with pi < F
+        size = pairs_within(score.shape[0], K, budget - 1)  # the candidate pairs with pi < F
         parent, child = all_parents[:size], all_children[:size]
         cand = score[parent] + topv[d][child]
-        tie = lex[parent] * K + child
-        key = torch.where(parent + child <= limit, order_key(cand, tie), torch.iinfo(torch.int64).min)
-        n = min(limit + 1, pairs_within(F, K, limit))  # no more than the unmasked pairs
+        key = order_key(cand, parent * K + child)
+        key = torch.where(parent * (child + 2) + child <= limit, key, torch.iinfo(torch.int64).min)
+        n = min(limit + 1, pairs_within(score.shape[0], K, limit))  # no more than the unmasked pairs
         keep = key.topk(n).indices  # best first: the next frontier, in key order
-        score, kept_tie = cand[keep], tie[keep]
-        lex = torch.empty_like(kept_tie).scatter_(0, kept_tie.argsort(), torch.arange(n, device=dev))
+        score = cand[keep]
         scores.append(score)
-        ties.append(offset + lex)  # global tie-break: depth, then rank tuple = concatenation offset + lex rank
+        # Global tie-break: depth, then the place in this depth's order = concatenation offset + kept position.
+        ties.append(offset + torch.arange(n, device=dev))
         toks.append(topi[d][child[keep]])
         parent_idx.append(prev_offset + parent[keep])
         depth_of.append(torch.full((n,), depth, device=dev))
         prev_offset, offset = offset, offset + n
 
-    # Global order over everything kept: score, then depth, then ranks.
+    # Global order over everything kept: score, then depth, then place within the depth.
     # If fewer than `budget` prefixes exist, pad with keys below every real one.
     N = offset - 1
     pad = max(budget - N, 0)
@@ -171,23 +169,39 @@ def build_tree(logq: torch.Tensor, budget: int):
     return (torch.where(real, tokens, 0), torch.where(real, parents, -1), torch.where(real, depths, 0))
 
 
+def children_allowed(K: int, limit: int) -> tuple[int, ...]:
+    """Per frontier position pi = 0, 1, ...: how many ranks k < K satisfy pi * (k + 2) + k <= limit (build_tree's
+    bound), while that is at least one; as cumulative sums, so pairs_within is a lookup."""
+    if limit < 0:
+        return (0,)
+    if torch.compiler.is_compiling():  # dynamo runs the loop once while tracing and bakes in the result
+        return _children_allowed(K, limit)
+    return _children_allowed_cached(K, limit)  # eager: build_tree asks at every depth of every round
+
+
+def _children_allowed(K: int, limit: int) -> tuple[int, ...]:
+    counts = [min(K, (limit - 2 * pi) // (pi + 1) + 1) for pi in range(limit // 2 + 1)]
+    return tuple(itertools.accumulate(counts, initial=0))
+
+
+_children_allowed_cached = functools.lru_cache(maxsize=4096)(_children_allowed)
+
+
 def pairs_within(F: int, K: int, limit: int) -> int:
-    """How many (pi, k) have pi < F, k < K and pi + k <= limit: rows 0..full-1 hold all K children, the rows
-    after them limit + 1 - pi each (closed form: build_tree asks this at every depth of every round)."""
-    rows = max(0, min(F, limit + 1))
-    full = max(0, min(limit + 2 - K, rows))
-    return full * K + (rows - full) * (limit + 1) - (rows - 1 + full) * (rows - full) // 2
+    """How many (pi, k) have pi < F, k < K and pi * (k + 2) + k <= limit."""
+    cum = children_allowed(K, limit)
+    return cum[min(F, len(cum) - 1)]
 
 
-def triangle(F: int, K: int, limit: int, device):
-    """All (pi, k) with pi < F, k < K and pi + k <= limit, pi-major: two int64 tensors whose size is known on the
-    host, so the shapes stay static under torch.compile."""
-    rows = max(0, min(F, limit + 1))
-    per_parent = (limit + 1 - torch.arange(rows, device=device)).clamp(max=K)
-    first = torch.cumsum(per_parent, 0) - per_parent  # flat index of each parent's first child
+def candidate_pairs(F: int, K: int, limit: int, device):
+    """All (pi, k) with pi < F, k < K and pi * (k + 2) + k <= limit, pi-major: two int64 tensors whose size is
+    known on the host, so the shapes stay static under torch.compile."""
+    cum = children_allowed(K, limit)
+    rows = min(F, len(cum) - 1)
+    first = torch.tensor(cum[:rows], dtype=torch.int64, device=device)  # flat index of each parent's first child
     # parent = how many parents start at or before each flat index, minus one: a cumsum of start marks
     # (repeat_interleave does the same but lowers to a binary search per entry, 8x slower on the CPU).
-    total = pairs_within(F, K, limit)
+    total = cum[rows]
     starts = torch.zeros(total, dtype=torch.int64, device=device).index_fill_(0, first[1:], 1)
     parent = torch.cumsum(starts, 0)
     return parent, torch.arange(total, device=device) - first[parent]

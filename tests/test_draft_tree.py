@@ -1,7 +1,7 @@
 """Draft-tree construction: optimality against brute force, the device builder against the heap, ancestor matrices.
 
 Brute force here is independent of draft_tree.py: ranks from Python's stable sort, float32 scores from numpy,
-the order key (-score, depth, ranks) from plain tuple sorting.
+the order key (-score, depth, parent's place, rank) from plain tuple sorting, depth by depth.
 """
 
 import itertools
@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree, pairs_within, topk_per_depth, triangle
+from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree, candidate_pairs, pairs_within, topk_per_depth
 
 INF = math.inf
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -59,19 +59,26 @@ def ranked_tokens(logq):
 
 
 def all_prefixes_in_order(logq):
-    """Every nonempty prefix (as a token tuple) sorted by (-score, depth, rank tuple)."""
+    """Every nonempty prefix (as a token tuple) sorted by (-score, depth, parent's place in the order, rank):
+    each depth sorted on its own using the previous depth's order, then all depths merged by (-score, depth)."""
     L, V = logq.shape
     q = logq.numpy().astype(np.float32)
     ranked = ranked_tokens(logq)
     rank = [{t: r for r, t in enumerate(order)} for order in ranked]
+    place = {(): 0}  # a prefix's place in its own depth's order
+    score = {(): np.float32(0.0)}
     items = []
     with np.errstate(all="ignore"):
         for d in range(1, L + 1):
-            for toks in itertools.product(range(V), repeat=d):
-                s = np.float32(0.0)
-                for i, t in enumerate(toks):
-                    s = np.float32(s + q[i, t])
-                items.append(((-float(s), d, tuple(rank[i][t] for i, t in enumerate(toks))), toks))
+            depth = []
+            for parent in [p for p in place if len(p) == d - 1]:
+                for t in range(V):
+                    s = np.float32(score[parent] + q[d - 1, t])
+                    depth.append(((-float(s), place[parent], rank[d - 1][t]), parent + (t,), s))
+            depth.sort()
+            for i, (_, toks, s) in enumerate(depth):
+                place[toks], score[toks] = i, s
+                items.append(((-float(s), d, i), toks))
     return [toks for _, toks in sorted(items)]
 
 
@@ -141,7 +148,7 @@ def test_build_tree_equals_heap_larger(seed):
 
 @pytest.mark.parametrize("budget, ties", [(64, False), (256, False), (256, True), (300, True)])
 def test_build_tree_equals_heap_at_real_sizes(budget, ties):
-    # The paper's shape scaled down: depth 15, budget up to past V, so the candidate triangle is pruned hard at
+    # The paper's shape scaled down: depth 15, budget up to past V, so the candidate pairs are pruned hard at
     # every depth (sharp logits: long chains; ties: many equal scores across parents).
     g = torch.Generator().manual_seed(budget)
     logits = torch.randint(0, 3, (15, 200), generator=g).float() if ties else torch.randn(15, 200, generator=g) * 4
@@ -149,34 +156,37 @@ def test_build_tree_equals_heap_at_real_sizes(budget, ties):
     assert_same(build_tree(logq, budget), build_tree_heap(logq, budget))
 
 
-@given(st.integers(1, 12), st.integers(1, 12), st.integers(0, 30))
-def test_triangle_is_every_pair_under_the_limit(F, K, limit):
-    parent, child = triangle(F, K, limit, "cpu")
-    want = [(p, k) for p in range(F) for k in range(K) if p + k <= limit]
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(-3, 60))
+def test_candidate_pairs_are_every_pair_under_the_bound(F, K, limit):
+    parent, child = candidate_pairs(F, K, limit, "cpu")
+    want = [(p, k) for p in range(F) for k in range(K) if p * (k + 2) + k <= limit]
     assert list(zip(parent.tolist(), child.tolist())) == want
     assert pairs_within(F, K, limit) == len(want)
-    assert pairs_within(F, K, -1 - limit) == 0
 
 
-def test_build_tree_equals_heap_when_rounding_reorders_siblings_of_different_parents():
-    # Found by hypothesis against a build_tree that kept each depth's frontier in key order instead of rank-tuple
-    # order: float32 sums of the same log-probs in different orders round differently, so children of parents
-    # with different scores can tie, and then the rank tuple (not the parents' order) must break the tie.
+def test_build_tree_equals_heap_when_rounding_ties_children_of_different_parents():
+    # Float32 sums of the same log-probs in different orders round differently, so children of parents with
+    # different scores tie; the order then goes by the parents' places, not by the rank tuples.
     logq = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]).log_softmax(-1)
-    assert_same(build_tree(logq, 18), build_tree_heap(logq, 18))
+    tree = build_tree_heap(logq, 18)
+    assert prefixes_of(*tree) == all_prefixes_in_order(logq)[:18]
+    assert_same(build_tree(logq, 18), tree)
 
 
 @pytest.mark.parametrize("budget", [25, 26, 30])
 def test_build_tree_equals_heap_when_a_later_parents_children_tie_first(budget):
     # Depth-2 prefixes in key order: (0,0), (1,0), (0,1), (1,1); every depth-3 child rounds to -4.0, so the ties
-    # go by rank tuple and (0,1,*) precede (1,0,*). A builder that prunes candidates by (parent position + 1) *
-    # (rank + 1) <= budget (true without ties) drops (0,1,8) at budget 25 and 26; the exact one must not.
+    # go by the parents' places and (1,0,*) precede (0,1,*) although their rank tuples come later. Under a
+    # rank-tuple tie-break the bound pi * (k + 2) + k <= budget - depth would drop (0,1,8) at budget 25 and 26.
     logq = torch.full((3, 10), -INF)
     logq[0, :2] = torch.tensor([0.0, -1e-8])
     logq[1, :2] = torch.tensor([0.0, -1e-7])
     logq[2] = -4.0
     tree = build_tree_heap(logq, budget)
-    assert prefixes_of(*tree) == all_prefixes_in_order(logq)[:budget]
+    got = prefixes_of(*tree)
+    assert got == all_prefixes_in_order(logq)[:budget]
+    depth3 = [parent + (t,) for parent in [(0, 0), (1, 0), (0, 1), (1, 1)] for t in range(10)]
+    assert got[6:] == depth3[:budget - 6]
     assert_same(build_tree(logq, budget), tree)
 
 
