@@ -299,6 +299,9 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
         start = torch.tensor(prompt.numel(), device=engine.device)
         done = emit(tokens, [token.item()], stop, max_new_tokens, on_tokens)
         while not done:
+            # Under CUDA graphs the last call's outputs live in the graph's memory pool, which the next replay
+            # overwrites: feed back a copy of the token (gpt-fast does the same), never the output itself.
+            token = token.clone()
             if method == "ar":
                 token, finite = engine.decode_step(token.view(1), start.view(1), engine.noise(1, generator))
                 value, ok = torch.stack([token.view(-1)[0], finite.long()]).tolist()  # the step's one host sync

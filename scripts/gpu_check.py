@@ -4,9 +4,13 @@ random weights in bf16, built directly on the device (no 16 GB checkpoint to wri
     python scripts/gpu_check.py --json out/gpu_check.json          # on the GPU machine
     python scripts/gpu_check.py --small --device cpu                # a smoke test of the script itself
 
-Prints and writes: the measured device copy bandwidth and the AR step's bandwidth floor (weight bytes / bandwidth)
-beside the measured AR step (eager, compiled, CUDA graphs); the round split per budget (draft, tree, mask, verify,
-walk, compact, context; bench.py's round_split); the whole compiled round; tree build alone at the paper's size.
+Prints and writes, most important first: the measured device copy bandwidth and the AR step's bandwidth floor
+(weight bytes / bandwidth) beside the measured AR step (eager, compiled, CUDA graphs); generate() end to end as
+users run it (compiled, CUDA graphs on the GPU: AR and DDTree, each twice); the round split per budget (draft,
+tree, mask, verify, walk, compact, context; bench.py's round_split) and the whole compiled round; tree build
+alone at the paper's size. Every section is compiled afresh on an 8B-shaped model, so the run stops starting new
+sections after --time-limit seconds (they are reported as skipped), and the JSON is rewritten after each section:
+a device run cut short still brings back what it measured.
 """
 
 import argparse
@@ -20,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from bench import round_split, sync, timed, tree_alone, write_json  # noqa: E402
-from ddtree import Engine, cache_length  # noqa: E402
+from ddtree import Engine, cache_length, generate  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
 from sampler import Sampling  # noqa: E402
@@ -81,18 +85,49 @@ def ar_steps(target, device, compile_mode, repeats=20):
     return ms
 
 
+def end_to_end(target, drafter, budget, new_tokens=64, prompt_len=128):
+    """generate() compiled, as the CLI runs it (CUDA graphs on the GPU, the next token fed back every round), AR and
+    DDTree, twice each: the replays must repeat themselves exactly. Random weights have near-tied argmaxes, so
+    DDTree's tokens are set beside AR's for information only (bf16 rounding differs between 1 and B + 1 rows)."""
+    prompt = torch.randint(0, 1000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = {}
+    for method in ("ar", "ddtree"):
+        runs = [generate(target, drafter, prompt, method=method, budget=budget, max_new_tokens=new_tokens,
+                         compile=True, stop_ids=[]) for _ in range(2)]
+        out[method] = dict(repeatable=runs[0].tokens == runs[1].tokens, tokens=runs[1].tokens,
+                           tokens_per_s=runs[1].stats["tokens_per_s"], tau=runs[1].stats["tau"])
+    ar, tree = out["ar"]["tokens"], out["ddtree"]["tokens"]
+    out["agree_prefix"] = next((i for i, (x, y) in enumerate(zip(ar, tree)) if x != y), min(len(ar), len(tree)))
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="a small model (to smoke-test the script on a CPU)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 512, 1024])
+    p.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 512, 1024, 16])
+    p.add_argument("--e2e-budget", type=int, default=64)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--time-limit", type=float, default=420, help="seconds after which no new section starts")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "small": a.small}
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "small": a.small,
+           "skipped": []}
     t0 = time.time()
+
+    def section(name):
+        """False (and noted) once the time limit is past; else True. Saves what was measured so far."""
+        out["seconds"] = time.time() - t0
+        if a.json:
+            write_json(a.json, out)
+        if out["seconds"] > a.time_limit:
+            out["skipped"].append(name)
+            print(f"skipped (past {a.time_limit:.0f} s): {name}", flush=True)
+            return False
+        return True
+
     with torch.inference_mode():
         target, drafter = build(SMALL if a.small else QWEN3_8B, device, dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
@@ -103,9 +138,22 @@ def main():
               f"{bandwidth / 1e9:.0f} GB/s -> AR floor {floor_ms:.2f} ms/token", flush=True)
         modes = ["eager", "compiled"] + (["cudagraphs"] if device.type == "cuda" else [])
         for mode in modes:
-            ms = ar_steps(target, device, None if mode == "eager" else mode)
-            out[f"ar_{mode}_ms"] = ms
-            print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor)", flush=True)
+            if section(f"AR step {mode}"):
+                ms = ar_steps(target, device, None if mode == "eager" else mode)
+                out[f"ar_{mode}_ms"] = ms
+                print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor)  "
+                      f"[{time.time() - t0:.0f} s]", flush=True)
+        if section("end to end"):
+            e2e = end_to_end(target, drafter, a.e2e_budget)
+            out["end_to_end"] = {m: {k: v for k, v in e2e[m].items() if k != "tokens"} for m in ("ar", "ddtree")}
+            out["end_to_end"]["agree_prefix"] = e2e["agree_prefix"]
+            for m in ("ar", "ddtree"):
+                r = e2e[m]
+                print(f"generate {m:6s} compiled{' + CUDA graphs' if device.type == 'cuda' else ''}: "
+                      f"{r['tokens_per_s']:8.1f} tok/s, tau {r['tau']:.2f}, two runs identical: {r['repeatable']}"
+                      f"  [{time.time() - t0:.0f} s]", flush=True)
+            print(f"DDTree B={a.e2e_budget} and AR agree on the first {e2e['agree_prefix']} of "
+                  f"{len(e2e['ar']['tokens'])} tokens (random weights: near ties)", flush=True)
         out["rounds"] = {}
         print(f"{'B':>5s} {'draft':>8s} {'tree':>8s} {'mask':>8s} {'verify':>8s} {'walk':>8s} {'compact':>8s} "
               f"{'context':>8s} "
@@ -113,17 +161,21 @@ def main():
               f" overhead: tree + mask + walk + compact share of the stages; compiled: (round - draft - context - verify)"
               f" / round)")
         for budget in a.budgets:
+            if not section(f"round B={budget}"):
+                continue
             ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)
             out["rounds"][budget] = ms
             print(f"{budget:5d} " + " ".join(f"{ms[c]:8.2f}" for c in
                                              ("draft", "tree", "mask", "verify", "walk", "compact", "context",
                                               "round"))
-                  + f" {ms['overhead_pct']:8.1f}% {ms['round_overhead_pct']:8.1f}%", flush=True)
-        t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
-        out["tree_alone"] = t
-        print(f"tree build alone (V={target.config.vocab_size}, depth 15, B=512): heap {t['heap_ms']:.2f} ms, "
-              f"tensor eager {t['tensor_eager_ms']:.2f} ms, compiled {t['tensor_compiled_ms']:.2f} ms, "
-              f"identical: {t['equal']}")
+                  + f" {ms['overhead_pct']:8.1f}% {ms['round_overhead_pct']:8.1f}%  [{time.time() - t0:.0f} s]",
+                  flush=True)
+        if section("tree alone"):
+            t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
+            out["tree_alone"] = t
+            print(f"tree build alone (V={target.config.vocab_size}, depth 15, B=512): heap {t['heap_ms']:.2f} ms, "
+                  f"tensor eager {t['tensor_eager_ms']:.2f} ms, compiled {t['tensor_compiled_ms']:.2f} ms, "
+                  f"identical: {t['equal']}")
     sync(device)
     out["seconds"] = time.time() - t0
     print(f"total {out['seconds']:.0f} s")
