@@ -145,7 +145,7 @@ class Engine:
         return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.denoise_steps)
 
     def tree_mask(self, start, parents):
-        return self.verify_mask.set(start, ancestor_matrix(parents, self.depth))
+        return self.verify_mask.set(start, ancestor_matrix(parents, self.depth, dtype=torch.uint8))
 
     def verify(self, bonus, tokens, depths, start, mask):
         rows = torch.cat([bonus.view(1), tokens])

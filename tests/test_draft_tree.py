@@ -218,6 +218,7 @@ def test_ancestor_matrix_matches_parent_chasing(case):
     want = ancestors_by_chasing(parents)
     assert torch.equal(ancestor_matrix(parents, max_depth=logq.shape[0]), want)
     assert torch.equal(ancestor_matrix(parents), want)
+    assert torch.equal(ancestor_matrix(parents, logq.shape[0], dtype=torch.uint8), want.to(torch.uint8))
 
 
 def closed_sets(L, V):

@@ -85,6 +85,29 @@ def test_compiled_tree_attention_matches_sdpa_without_recompiles():
     assert not counters["recompiles"] and not counters["graph_break"]
 
 
+def test_tree_mask_built_inside_the_compiled_graph_matches_sdpa():
+    # As Engine.round does it: the ancestor matrix is computed and written into the mask in the same graph as the
+    # FlexAttention call that reads it. (A scatter-built matrix passed the eager tests and gave wrong outputs
+    # here; the same values must reach the kernel, every round.)
+    budget, depth = 24, 5
+    mask = PrefixMask(budget + 1, KV_LEN, "cpu")
+    _, k, v = qkv(budget + 1, seed=0)
+
+    def attend(q, prefix, parents):
+        block_mask = mask.set(prefix, ancestor_matrix(parents, depth, dtype=torch.uint8))
+        return flex_attention(q * 1.0, k, v, block_mask=block_mask, enable_gqa=True)
+
+    attend = torch.compile(attend, dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        for round_ in range(6):
+            parents, anc = random_tree(budget, depth, 3 + round_ % 4, seed=round_)
+            prefix = 7 * round_ + round_ % 3
+            q, _, _ = qkv(budget + 1, seed=round_)
+            out = attend(q, torch.tensor(prefix), parents)
+            torch.testing.assert_close(out, sdpa_reference(q, k, v, explicit_mask(prefix, anc, budget + 1)),
+                                       atol=1e-5, rtol=1e-5)
+
+
 def test_prefix_mask_visits_only_needed_kv_blocks():
     mask = PrefixMask(3, 4 * 128, "cpu")
     mask.set(0, causal(3))
