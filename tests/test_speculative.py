@@ -244,3 +244,26 @@ def test_method_needs_a_drafter(models):
     target, _ = models
     with pytest.raises(ValueError, match="needs a drafter"):
         generate(target, None, [1, 2], method="dflash")
+
+
+def test_compiled_engines_run_their_own_models(files, models, tmp_path, monkeypatch):
+    # Compiled steps skip the guards on an engine's module structure (ddtree.guards_worth_checking), and every
+    # engine compiles the same methods: each must still run its own models. Two targets of one shape with
+    # different weights, alternated, each compiled output equal to its own eager output; and the filter must
+    # reach every compiled step (torch.compile pops it out of the options dict it is given).
+    import ddtree
+    filtered = []
+    keep = ddtree.guards_worth_checking
+    monkeypatch.setattr(ddtree, "guards_worth_checking", lambda entries: filtered.append(len(entries)) or keep(entries))
+    _, tc = files
+    save_checkpoint(str(tmp_path / "other"), tc, random_qwen3_weights(tc, seed=5, std=0.35), eos_ids=[1])
+    target, drafters = models
+    other = Qwen3.from_pretrained(str(tmp_path / "other"), device="cpu")
+    prompt = prompts(1, seed=21)[0]
+    eager = {id(t): greedy(t, drafters[5].bind(t), prompt, method="ddtree", budget=6, max_new_tokens=12).tokens
+             for t in (target, other)}
+    assert eager[id(target)] != eager[id(other)]
+    for t in (target, other, target):
+        res = greedy(t, drafters[5].bind(t), prompt, method="ddtree", budget=6, max_new_tokens=12, compile=True)
+        assert res.tokens == eager[id(t)]
+    assert len(filtered) >= 2 * 2  # prefill and round graphs, per engine (the drafter is bound to the target)
