@@ -44,6 +44,10 @@ class PrefixMask:
         # present and distinct from kv_indices (REFERENCE.md §5).
         full_num = torch.zeros(1, 1, n_q, dtype=torch.int32, device=device)
         full_idx = torch.zeros(1, 1, n_q, n_kv, dtype=torch.int32, device=device)
+        # The compiled steps write prefix, allow and kv_num_blocks in place. CUDA graph trees refuse graphs that
+        # mutate inputs they do not know to stay put (they would run the step uncaptured); these never move.
+        for t in (self.prefix, self.allow, self.kv_num_blocks):
+            torch._dynamo.mark_static_address(t)
         prefix, allow, last = self.prefix, self.allow, q_len - 1
 
         def mask_mod(b, h, q, kv):

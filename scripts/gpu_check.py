@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -177,6 +178,10 @@ def main():
                   f"tensor eager {t['tensor_eager_ms']:.2f} ms, compiled {t['tensor_compiled_ms']:.2f} ms, "
                   f"identical: {t['equal']}")
     sync(device)
+    # Graphs that CUDA graph trees refused (mutated inputs they cannot pin, CPU ops, ...) ran uncaptured; the
+    # reasons are in the log lines above ("skipping cudagraphs due to ...").
+    out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    print(f"graphs refused by CUDA graphs: {out['cudagraph_skips']}")
     out["seconds"] = time.time() - t0
     print(f"total {out['seconds']:.0f} s")
     if a.json:
