@@ -106,7 +106,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="a small model (to smoke-test the script on a CPU)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 512, 1024, 16])
+    p.add_argument("--budgets", type=int, nargs="+", default=[512, 64, 1024, 256, 16])  # the paper's first
     p.add_argument("--e2e-budget", type=int, default=64)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--time-limit", type=float, default=420, help="seconds after which no new section starts")
