@@ -12,7 +12,6 @@ Every method is lossless: greedy output equals plain greedy decoding, sampled ou
 """
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -49,42 +48,9 @@ def check_int(name: str, value, low: int) -> int:
     return value
 
 
-def guards_worth_checking(entries) -> list[bool]:
-    """Dynamo's guard filter for the Engine's compiled steps: keep every guard on the arguments and on global
-    state, and of the guards on `self` (the engine, its models, masks and settings) only those on tensors (shape,
-    dtype, device, aliasing: a reallocated cache recompiles instead of running a graph built for the old one).
-    Only for isolated compiles (one cache per Engine): in a shared cache these guards tell engines apart.
-    The rest (module types, hook dicts, config constants: about 1000 per round graph) cannot change, because an
-    Engine's settings and its models' structure are fixed after __init__ (tensors change in place only); checking
-    them cost 0.07 ms of a 0.76 ms compiled decode step here."""
-    kept = ("TENSOR_MATCH", "DUPLICATE_INPUT", "NO_TENSOR_ALIASING")
-    return [not (e.name == "self" or e.name.startswith(("self.", "self["))) or e.guard_type in kept
-            for e in entries]
-
-
-ISOLATED_COMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters  # not in older torch
-
-
-def compile_step(step, cudagraphs: bool):
-    """torch.compile for one of an Engine's steps (bound methods: every Engine compiles the same code)."""
-    # triton.cudagraphs = mode="reduce-overhead" (CUDA graphs), which cannot be combined with `options`.
-    options = {"triton.cudagraphs": cudagraphs}
-    if not ISOLATED_COMPILES:
-        # Older torch (the GPU image has 2.11): one cache per method for all engines, told apart by the full
-        # guards; room for a few engines (settings, budgets) before dynamo falls back to eager.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        return torch.compile(step, dynamic=False, fullgraph=True, options=options)
-    # Each Engine keeps its own graphs, so guards on its fixed structure can go (a fresh options dict per call:
-    # torch.compile pops guard_filter_fn out of the one it gets).
-    options["guard_filter_fn"] = guards_worth_checking
-    return torch.compile(step, dynamic=False, fullgraph=True, isolate_recompiles=True, options=options)
-
-
 class Engine:
     """Everything that must keep its identity across calls so compiled graphs are reused: the caches (sized once
-    for `max_seq_len`), the masks whose tensors are updated in place, and the step functions. Its settings and
-    its models' structure must not change after __init__ (the compiled steps do not re-check them: see
-    guards_worth_checking); make a new Engine instead."""
+    for `max_seq_len`), the masks whose tensors are updated in place, and the step functions."""
 
     def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, budget: int, sampling: Sampling,
                  max_seq_len: int, compile: bool, draft_temperature: float = 1.0, draft_sampling: bool = False,
@@ -113,8 +79,13 @@ class Engine:
         if compile:
             # One graph per fixed shape (prefill chunk, decode step, round). dynamic=False: a graph that went
             # dynamic on the query length fails to build on CPU (REFERENCE.md §5). CUDA graphs where available.
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            # Every Engine compiles the same methods, so they share one cache per method: an engine whose tensors
+            # and settings match an earlier one's reuses its graphs (which read the models and masks through
+            # `self` at each call). Room for a few engines (settings, budgets) before dynamo falls back to eager.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.prefill_step, self.decode_step, self.round = (
-                compile_step(f, cudagraphs=self.device.type == "cuda")
+                torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
                 for f in (self._prefill_step, self._decode_step, self._round))
 
     def pick(self, logits, noise):
