@@ -73,28 +73,36 @@ def random_pair(vocab, hidden, layers, block, draft_layers, device, path=None):
 
 @torch.inference_mode()
 def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
-    """Per-stage milliseconds of one round after a real prefill, for one budget."""
+    """Per-stage milliseconds of one round after a real prefill, for one budget.
+
+    With `compile`, the forwards (draft, verify, context) and the whole round run compiled, with CUDA graphs on
+    the GPU (as the engine runs them), so round - forwards is the rest of the round in the same mode; and the
+    tree work alone (propose + tree_mask + accept, given the forwards' logits) is also timed compiled, with and
+    (on the GPU) without CUDA graphs: `tree_work` and `tree_work_nograph`.
+    """
     dev = target.device
     engine = Engine(target, drafter, "ddtree", budget, Sampling(), cache_length(prompt_len, 64, budget + 32),
                     compile=False)
     # The drafter's forward comes in two parts in our round: the block pass (draft) and, at commit, the context
     # K/V of the committed tokens (extend_context). Both count as the drafter's forward, not as tree overhead.
     context = engine.extend_context
+    mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs, as the engine compiles them
     if compile:
-        mode = "reduce-overhead" if dev.type == "cuda" else None  # the whole round as a CUDA graph
-        engine.draft = torch.compile(engine.draft, dynamic=False, fullgraph=True)
-        engine.verify = torch.compile(engine.verify, dynamic=False, fullgraph=True)
-        context = torch.compile(context, dynamic=False, fullgraph=True)
+        engine.draft, engine.verify, context = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
+                                                for f in (engine.draft, engine.verify, context))
         engine.round = torch.compile(engine._round, dynamic=False, fullgraph=True, mode=mode)
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), device=dev)
     bonus, _ = engine.prefill(prompt, None)
     bonus, start = bonus.view(1), torch.tensor(prompt_len, device=dev)
+    # Outputs of a CUDA graph are overwritten by its next replay: every output used later is cloned.
+    keep = lambda out: tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
     ms = {}
     ms["draft"], logits_q = timed(lambda: engine.draft(bonus, start), dev, repeats)
+    logits_q = logits_q.clone()
     ms["tree"], (tokens, parents, depths, q) = timed(lambda: engine.propose(logits_q, None), dev, repeats)
     ms["mask"], mask = timed(lambda: engine.tree_mask(start, parents), dev, repeats)
-    ms["verify"], (rows, pos, logits, features) = timed(
-        lambda: engine.verify(bonus, tokens, depths, start, mask), dev, repeats)
+    ms["verify"], out = timed(lambda: engine.verify(bonus, tokens, depths, start, mask), dev, repeats)
+    rows, pos, logits, features = keep(out)
     ms["walk"], (path, length, nxt) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
                                             repeats)
     feats, positions = features[path], pos[path]
@@ -112,6 +120,16 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
                                                  dev, 3 * repeats)
         ms["round"] = whole
         ms["round_overhead_pct"] = 100 * (whole - fwd_d - fwd_c - fwd_v) / whole
+
+        def tree_work(logits_q, logits):
+            tokens, parents, depths, q = engine.propose(logits_q, None)
+            engine.tree_mask(start, parents)
+            return engine.accept(logits, tokens, parents, q, None, None)
+
+        modes = {"tree_work": mode} | ({"tree_work_nograph": None} if mode else {})
+        for name, m in modes.items():
+            fn = torch.compile(tree_work, dynamic=False, fullgraph=True, mode=m)
+            ms[name], _ = timed(lambda: fn(logits_q, logits), dev, repeats)
     return ms
 
 
@@ -169,7 +187,7 @@ def main():
               f"layer(s), block {a.block}; {dev}, {torch.get_num_threads()} threads, "
               f"{'forwards compiled' if a.compile else 'eager'}; median of {a.repeats}, ms")
         cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "sum"] + (
-            ["round"] if a.compile else [])
+            ["round", "tree_work"] if a.compile else [])
         print(f"{'B':>5s} " + " ".join(f"{c:>8s}" for c in cols) + f" {'overhead':>9s}"
               + (f" {'compiled':>9s}" if a.compile else ""))
         for budget in a.budgets:
@@ -179,7 +197,7 @@ def main():
                   + (f" {ms['round_overhead_pct']:8.1f}%" if a.compile else ""), flush=True)
         print("overhead = (tree + mask + walk + compact) / sum of stages, each stage eager; compiled = (round - "
               "draft - context - verify) / round, the whole round compiled (draft and context: the drafter's forward"
-              " in two parts)")
+              " in two parts); tree_work = tree + mask + walk compiled together")
         if not a.skip_tree_alone:
             t = tree_alone(151936, 15, 512, dev, a.repeats)
             results["tree_alone"] = t

@@ -156,19 +156,19 @@ def main():
             print(f"DDTree B={a.e2e_budget} and AR agree on the first {e2e['agree_prefix']} of "
                   f"{len(e2e['ar']['tokens'])} tokens (random weights: near ties)", flush=True)
         out["rounds"] = {}
-        print(f"{'B':>5s} {'draft':>8s} {'tree':>8s} {'mask':>8s} {'verify':>8s} {'walk':>8s} {'compact':>8s} "
-              f"{'context':>8s} "
-              f"{'round':>8s} {'overhead':>9s} {'compiled':>9s}  (ms; stages eager except the compiled forwards;"
-              f" overhead: tree + mask + walk + compact share of the stages; compiled: (round - draft - context - verify)"
-              f" / round)")
+        cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "round", "tree_work"] + (
+            ["tree_work_nograph"] if device.type == "cuda" else [])
+        print(f"{'B':>5s} " + " ".join(f"{c[:9]:>9s}" for c in cols) + f" {'overhead':>9s} {'compiled':>9s}  (ms;"
+              " stages eager except the forwards (draft, verify, context), compiled as the engine runs them (CUDA"
+              " graphs on the GPU); tree_work: tree + mask + walk compiled together, with and without CUDA graphs;"
+              " overhead: tree + mask + walk + compact share of the stages; compiled: (round - draft - context -"
+              " verify) / round)")
         for budget in a.budgets:
             if not section(f"round B={budget}"):
                 continue
             ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)
             out["rounds"][budget] = ms
-            print(f"{budget:5d} " + " ".join(f"{ms[c]:8.2f}" for c in
-                                             ("draft", "tree", "mask", "verify", "walk", "compact", "context",
-                                              "round"))
+            print(f"{budget:5d} " + " ".join(f"{ms[c]:9.2f}" for c in cols)
                   + f" {ms['overhead_pct']:8.1f}% {ms['round_overhead_pct']:8.1f}%  [{time.time() - t0:.0f} s]",
                   flush=True)
         if section("tree alone"):
