@@ -5,12 +5,13 @@ random weights in bf16, built directly on the device (no 16 GB checkpoint to wri
     python scripts/gpu_check.py --small --device cpu                # a smoke test of the script itself
 
 Prints and writes, most important first: the measured device copy bandwidth and the AR step's bandwidth floor
-(weight bytes / bandwidth) beside the measured AR step (eager, compiled, CUDA graphs); generate() end to end as
-users run it (compiled, CUDA graphs on the GPU: AR and DDTree, each twice); the round split per budget (draft,
-tree, mask, verify, walk, compact, context; bench.py's round_split) and the whole compiled round; tree build
-alone at the paper's size. Every section is compiled afresh on an 8B-shaped model, so the run stops starting new
-sections after --time-limit seconds (they are reported as skipped), and the JSON is rewritten after each section:
-a device run cut short still brings back what it measured.
+(weight bytes / bandwidth) beside the measured AR step (eager, compiled, CUDA graphs); the round split at the
+paper's budget (draft, tree, mask, verify, walk, compact, context: bench.py's round_split), the whole compiled
+round, and tree + mask + walk compiled with and without CUDA graphs; generate() end to end as users run it
+(compiled, CUDA graphs on the GPU: AR and DDTree, each twice); the other budgets; tree build alone at the paper's
+size. Every section compiles 8B-shaped graphs afresh, so the first compiled AR step's time is taken as the cost
+of one graph, and a section starts only if its graphs fit before --deadline (else it is listed as skipped). The
+JSON is rewritten after each section: a device run cut short still brings back what it measured.
 """
 
 import argparse
@@ -82,8 +83,12 @@ def ar_steps(target, device, compile_mode, repeats=20):
                                            mode="reduce-overhead" if compile_mode == "cudagraphs" else None)
     token, pos = torch.tensor([1], device=device), torch.tensor([512], device=device)
     engine.prefill(torch.randint(0, 100, (512,), device=device), None)
+    t = time.time()
+    engine.decode_step(token, pos, None)  # compiles (and captures) on the first call
+    sync(device)
+    first_s = time.time() - t
     ms, _ = timed(lambda: engine.decode_step(token, pos, None), device, repeats)
-    return ms
+    return ms, first_s
 
 
 def end_to_end(target, drafter, budget, new_tokens=64, prompt_len=128):
@@ -102,6 +107,30 @@ def end_to_end(target, drafter, budget, new_tokens=64, prompt_len=128):
     return out
 
 
+ROUND_COLUMNS = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "round", "tree_work"]
+
+
+def run_round(a, budget, target, drafter, out, section, t0, graphs):
+    """One budget's round split (bench.round_split), printed as a table row (with the header before the first)."""
+    cols = ROUND_COLUMNS + (["tree_work_nograph"] if target.device.type == "cuda" else [])
+    if not run_round.header_printed:
+        run_round.header_printed = True
+        print(f"{'B':>5s} " + " ".join(f"{c[:9]:>9s}" for c in cols) + f" {'overhead':>9s} {'compiled':>9s}  (ms;"
+              " stages eager except the forwards (draft, verify, context), compiled as the engine runs them (CUDA"
+              " graphs on the GPU); tree_work: tree + mask + walk compiled together, with and without CUDA graphs;"
+              " overhead: tree + mask + walk + compact share of the stages; compiled: (round - draft - context -"
+              " verify) / round)", flush=True)
+    if not section(f"round B={budget}", graphs):
+        return
+    ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)
+    out["rounds"][budget] = ms
+    print(f"{budget:5d} " + " ".join(f"{ms[c]:9.2f}" for c in cols)
+          + f" {ms['overhead_pct']:8.1f}% {ms['round_overhead_pct']:8.1f}%  [{time.time() - t0:.0f} s]", flush=True)
+
+
+run_round.header_printed = False
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -109,7 +138,8 @@ def main():
     p.add_argument("--budgets", type=int, nargs="+", default=[512, 64, 1024, 256, 16])  # the paper's first
     p.add_argument("--e2e-budget", type=int, default=64)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--time-limit", type=float, default=420, help="seconds after which no new section starts")
+    p.add_argument("--deadline", type=float, default=540,
+                   help="seconds: a section starts only if its compiles, at the measured time per graph, end before")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     device = torch.device(a.device)
@@ -117,15 +147,18 @@ def main():
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "small": a.small,
            "skipped": []}
     t0 = time.time()
+    per_graph = {"s": 0.0}  # seconds to compile one model graph, measured on the first compiled AR step
 
-    def section(name):
-        """False (and noted) once the time limit is past; else True. Saves what was measured so far."""
+    def section(name, graphs=0):
+        """Whether to run a section that compiles `graphs` model graphs: no if that would end past the deadline
+        (noted in the JSON). Saves what was measured so far either way."""
         out["seconds"] = time.time() - t0
         if a.json:
             write_json(a.json, out)
-        if out["seconds"] > a.time_limit:
+        if out["seconds"] + graphs * per_graph["s"] > a.deadline:
             out["skipped"].append(name)
-            print(f"skipped (past {a.time_limit:.0f} s): {name}", flush=True)
+            print(f"skipped ({graphs} graphs at {per_graph['s']:.0f} s each would end past {a.deadline:.0f} s): "
+                  f"{name}", flush=True)
             return False
         return True
 
@@ -139,12 +172,19 @@ def main():
               f"{bandwidth / 1e9:.0f} GB/s -> AR floor {floor_ms:.2f} ms/token", flush=True)
         modes = ["eager", "compiled"] + (["cudagraphs"] if device.type == "cuda" else [])
         for mode in modes:
-            if section(f"AR step {mode}"):
-                ms = ar_steps(target, device, None if mode == "eager" else mode)
+            if section(f"AR step {mode}", graphs=0 if mode == "eager" else 1):
+                ms, first_s = ar_steps(target, device, None if mode == "eager" else mode)
+                if mode == "compiled":
+                    per_graph["s"] = out["compile_s_per_graph"] = first_s
                 out[f"ar_{mode}_ms"] = ms
-                print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor)  "
-                      f"[{time.time() - t0:.0f} s]", flush=True)
-        if section("end to end"):
+                print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor); first call "
+                      f"{first_s:.1f} s  [{time.time() - t0:.0f} s]", flush=True)
+        out["rounds"] = {}
+        # The paper's budget first (draft, verify, context and round, plus two small tree-work graphs), then
+        # generate() end to end (3 new graphs: AR prefill, DDTree prefill and round), then the other budgets
+        # (verify and round, plus the tree work).
+        run_round(a, a.budgets[0], target, drafter, out, section, t0, graphs=5)
+        if section("end to end", graphs=3):
             e2e = end_to_end(target, drafter, a.e2e_budget)
             out["end_to_end"] = {m: {k: v for k, v in e2e[m].items() if k != "tokens"} for m in ("ar", "ddtree")}
             out["end_to_end"]["agree_prefix"] = e2e["agree_prefix"]
@@ -155,23 +195,9 @@ def main():
                       f"  [{time.time() - t0:.0f} s]", flush=True)
             print(f"DDTree B={a.e2e_budget} and AR agree on the first {e2e['agree_prefix']} of "
                   f"{len(e2e['ar']['tokens'])} tokens (random weights: near ties)", flush=True)
-        out["rounds"] = {}
-        cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "round", "tree_work"] + (
-            ["tree_work_nograph"] if device.type == "cuda" else [])
-        print(f"{'B':>5s} " + " ".join(f"{c[:9]:>9s}" for c in cols) + f" {'overhead':>9s} {'compiled':>9s}  (ms;"
-              " stages eager except the forwards (draft, verify, context), compiled as the engine runs them (CUDA"
-              " graphs on the GPU); tree_work: tree + mask + walk compiled together, with and without CUDA graphs;"
-              " overhead: tree + mask + walk + compact share of the stages; compiled: (round - draft - context -"
-              " verify) / round)")
-        for budget in a.budgets:
-            if not section(f"round B={budget}"):
-                continue
-            ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)
-            out["rounds"][budget] = ms
-            print(f"{budget:5d} " + " ".join(f"{ms[c]:9.2f}" for c in cols)
-                  + f" {ms['overhead_pct']:8.1f}% {ms['round_overhead_pct']:8.1f}%  [{time.time() - t0:.0f} s]",
-                  flush=True)
-        if section("tree alone"):
+        for budget in a.budgets[1:]:
+            run_round(a, budget, target, drafter, out, section, t0, graphs=3)
+        if section("tree alone", graphs=0):
             t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
             out["tree_alone"] = t
             print(f"tree build alone (V={target.config.vocab_size}, depth 15, B=512): heap {t['heap_ms']:.2f} ms, "
