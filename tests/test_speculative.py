@@ -141,6 +141,25 @@ def test_compiled_equals_eager_without_recompiles(models):
         assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_compiled_sampling_equals_eager_without_recompiles(models):
+    # The sampled paths compiled whole (warping, per-node samples from the seeded noise, the tree walk; the
+    # chain's min(1, p/q) rule with its residual): the same tokens as eager for the same seed, across prompts.
+    from torch._dynamo.utils import counters
+    target, drafters = models
+    ps = prompts(3, seed=12)
+    settings = [dict(method="ddtree", budget=9, temperature=0.9, top_p=0.9),
+                dict(method="dflash", temperature=1.1, top_k=6, draft_sampling=True)]
+    for kw in settings:
+        run = lambda p, **c: generate(target, drafters[5], p, max_new_tokens=40, stop_ids=[], seed=3, **kw, **c)
+        eager = [run(p).tokens for p in ps]
+        compiled = [run(ps[0], compile=True).tokens]
+        counters.clear()
+        compiled += [run(p, compile=True).tokens for p in ps[1:]]
+        assert compiled == eager, kw
+        assert counters["stats"]["unique_graphs"] == 0, (kw, dict(counters["stats"]))
+        assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 # ---- drafter loading and pair checks ---------------------------------------------------------------------------
 
 
