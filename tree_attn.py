@@ -12,7 +12,9 @@ So one mask_mod serves everything. It reads `prefix` and `allow` from tensors th
 round: a compiled kernel guards on the tensors' identity and shape, not their values, so new trees and new
 prefix lengths never recompile. We build the BlockMask from block tables ourselves (`from_kv_blocks`) rather than
 calling `create_block_mask`, which fails to compile on CPU for this kind of mask_mod (REFERENCE.md §5), and we
-only shorten the list of KV blocks to visit (a tensor, also updated in place) as the prefix grows.
+only shorten the list of KV blocks to visit (a tensor, also updated in place) as the prefix grows. Eager runs on
+the CPU evaluate the same mask_mod densely and use SDPA instead (model.dense_mask): eager FlexAttention there is a
+slow reference path.
 """
 
 import torch
