@@ -200,17 +200,21 @@ class Attention(nn.Module):
         if q.device.type == "cpu" and not torch.compiler.is_compiling():
             # Eager on the CPU: the same mask_mod, materialized, through SDPA. Eager FlexAttention evaluates the
             # mask_mod under vmap and runs a math fallback: about 3 ms per call on the bundled pair, ~20x this.
-            out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=dense_mask(block_mask),
-                                                 scale=scale, enable_gqa=gqa)
+            mask = dense_mask(block_mask)
+            visible = mask.shape[1]  # the KV blocks the mask visits: the committed prefix and the new rows
+            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :visible], self.v_cache[:, :, :visible],
+                                                 attn_mask=mask, scale=scale, enable_gqa=gqa)
         else:
             out = flex_attention(q, self.k_cache, self.v_cache, block_mask=block_mask, scale=scale, enable_gqa=gqa)
         return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.heads * self.head_dim))
 
 
 def dense_mask(block_mask) -> torch.Tensor:
-    """A BlockMask's mask_mod as a boolean [q_len, kv_len] matrix, by broadcasting (our mask_mods are plain
-    elementwise tensor code: tree_attn.PrefixMask)."""
+    """A BlockMask's mask_mod as a boolean [q_len, n] matrix by broadcasting, over the first n KV slots: the
+    blocks it visits (one host read; tree_attn.PrefixMask visits blocks 0, 1, ... in order, and its mask_mods are
+    plain elementwise tensor code)."""
     q_len, kv_len = block_mask.seq_lengths
+    kv_len = min(kv_len, int(block_mask.kv_num_blocks.max()) * block_mask.BLOCK_SIZE[1])
     device = block_mask.kv_indices.device
     q = torch.arange(q_len, device=device)[:, None]
     kv = torch.arange(kv_len, device=device)[None, :]
