@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_tree import ancestor_matrix, build_tree, format_tree
+from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree
 from drafter import DFlashDrafter
 from model import Qwen3, read_json
 from sampler import Sampling, draw_noise, sample, verify_chain_sampled, walk_tree, warp_probs
@@ -180,7 +180,10 @@ class Engine:
         L = self.depth
         if self.method == "ddtree":
             logq = torch.log_softmax(draft_logits / self.draft_temperature, dim=-1)
-            return (*build_tree(logq, self.nodes), None)
+            # Compiled: fixed-shape tensor ops. Eager: the paper's heap, the readable reference, which is also
+            # faster outside a graph (0.3 vs 1.0 ms on the bundled pair at B=64). Both give the same tree.
+            build = build_tree if torch.compiler.is_compiling() else build_tree_heap
+            return (*build(logq, self.nodes), None)
         chain_parents = torch.arange(L, device=draft_logits.device)  # node i hangs under row i
         depths = chain_parents + 1
         if self.draft_sampling:
