@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, default_device, kv_cache_length, load_weights,
                    parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq)
+import tree_attn
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -108,8 +109,9 @@ class DFlashDrafter(nn.Module):
         embed, lm_head = self.target_parts
         x = embed(block_tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        mask = tree_attn.attention_mask(block_mask)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache_pos, block_mask)
+            x = layer(x, cos, sin, cache_pos, mask)
         return lm_head(self.norm(x)).float()
 
     def draft(self, bonus, start, block_mask, denoise_steps: int = 1):

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.nn.attention.flex_attention import flex_attention
 
+import tree_attn
+
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
 
 
@@ -191,34 +193,19 @@ class Attention(nn.Module):
         self.k_cache.index_copy_(2, cache_pos, k)
         self.v_cache.index_copy_(2, cache_pos, v)
 
-    def forward(self, x, cos, sin, cache_pos, block_mask):
+    def forward(self, x, cos, sin, cache_pos, mask):
         q_len = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(q_len, self.heads, self.head_dim)).transpose(0, 1)[None]
         q = apply_rope(q, cos, sin)
         self.write_kv(x, cos, sin, cache_pos)
         scale, gqa = self.head_dim ** -0.5, self.heads != self.kv_heads
-        if q.device.type == "cpu" and not torch.compiler.is_compiling():
-            # Eager on the CPU: the same mask_mod, materialized, through SDPA. Eager FlexAttention evaluates the
-            # mask_mod under vmap and runs a math fallback: about 3 ms per call on the bundled pair, ~20x this.
-            mask = dense_mask(block_mask)
-            visible = mask.shape[1]  # the KV blocks the mask visits: the committed prefix and the new rows
-            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :visible], self.v_cache[:, :, :visible],
-                                                 attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if isinstance(mask, torch.Tensor):  # dense, over the KV slots it covers (tree_attn.attention_mask)
+            n = mask.shape[1]
+            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :n], self.v_cache[:, :, :n], attn_mask=mask,
+                                                 scale=scale, enable_gqa=gqa)
         else:
-            out = flex_attention(q, self.k_cache, self.v_cache, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+            out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale, enable_gqa=gqa)
         return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.heads * self.head_dim))
-
-
-def dense_mask(block_mask) -> torch.Tensor:
-    """A BlockMask's mask_mod as a boolean [q_len, n] matrix by broadcasting, over the first n KV slots: the
-    blocks it visits (one host read; tree_attn.PrefixMask visits blocks 0, 1, ... in order, and its mask_mods are
-    plain elementwise tensor code)."""
-    q_len, kv_len = block_mask.seq_lengths
-    kv_len = min(kv_len, int(block_mask.kv_num_blocks.max()) * block_mask.BLOCK_SIZE[1])
-    device = block_mask.kv_indices.device
-    q = torch.arange(q_len, device=device)[:, None]
-    kv = torch.arange(kv_len, device=device)[None, :]
-    return block_mask.mask_mod(0, 0, q, kv)
 
 
 class MLP(nn.Module):
@@ -243,8 +230,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, cos, sin, cache_pos, block_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_pos, block_mask)
+    def forward(self, x, cos, sin, cache_pos, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_pos, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -311,8 +298,9 @@ class Qwen3(nn.Module):
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(input_pos, self.inv_freq, x.dtype)
         features, last = [], len(self.layers) - 1
+        mask = tree_attn.attention_mask(block_mask)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache_pos, block_mask)
+            x = layer(x, cos, sin, cache_pos, mask)
             if i in feature_layers:
                 # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
                 # read the last layer were trained on that: match it (REFERENCE.md §2).

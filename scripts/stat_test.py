@@ -13,12 +13,10 @@ rejected, which shows the run has the power to see a real bug.
 Exit status 1 if the real run's p-value is below --alpha (1e-6) or the control's is not. With --temperature 0 the
 check is instead that every sample equals the AR greedy sequence (no control).
 
-Speed. Eager FlexAttention on a CPU (what generate() runs without compile) costs ~9 ms per call whatever the size:
-its math path vmaps the mask_mod over [queries, all 1024 cache slots] through Python (pytree flattening, the HOP
-dispatch): ~90% of generate()'s time on these tiny models, about 20-25 samples/s for n = 3. `--attention dense`
-(the default) swaps model.flex_attention for the same math (fp32 scores, -inf outside the mask, safe softmax)
-over the slots of the KV blocks the BlockMask lists, with the mask from its block tables and mask_mod; the rest is
-the engine as is: 100-200 samples/s. `--attention flex` runs the real kernel. tests/test_stat.py checks that both
+Speed. Eager FlexAttention on a CPU costs ~9 ms per call whatever the size (its math path vmaps the mask_mod over
+[queries, all cache slots] through Python), so the engine's eager CPU runs hand their layers the same mask_mod
+materialized for SDPA instead (tree_attn.attention_mask): that is `--attention dense`, the default, the engine as
+is. `--attention flex` makes them run eager FlexAttention, the real kernel. tests/test_stat.py checks that both
 give the engine the same tokens for the same seeds.
 
 Controls (`--control`; `auto` picks by method):
@@ -49,13 +47,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ddtree  # noqa: E402
-import model as model_mod  # noqa: E402
 from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
                          save_checkpoint)
 from ddtree import generate  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling, sample, warp_probs  # noqa: E402
+import tree_attn  # noqa: E402
 from tree_attn import PrefixMask, causal  # noqa: E402
 
 ALPHA = 1e-6
@@ -88,60 +86,22 @@ def load_pair(target_path: str, draft_path: str | None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Dense attention: eager flex_attention's math without its per-call Python overhead
-
-
-def dense_flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                         **unused):
-    """What torch's eager flex_attention computes (fp32 scores, -inf outside the mask, safe softmax, @ value),
-    with the mask evaluated once on a dense grid. Unlike eager flex (which ignores the block tables) a slot is
-    visible only if its KV block is listed for the query's block as the compiled kernel would see it: partial
-    blocks through mask_mod, full blocks unconditionally."""
-    assert score_mod is None, "the engine uses no score_mod"
-    G = query.size(1) // key.size(1)
-    Q, dev = query.size(-2), query.device
-    bq, bkv = block_mask.BLOCK_SIZE
-    tables = [(block_mask.kv_num_blocks, block_mask.kv_indices, True)]
-    if block_mask.full_kv_num_blocks is not None:
-        tables.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, False))
-    lists = [[(i, idx[0, 0, i, : int(num[0, 0, i])].long()) for i in range(num.shape[-1])] for num, idx, _ in tables]
-    # Only the slots of listed blocks can be visible: compute over [0, end) (the cache is mostly empty here).
-    end = min(key.size(-2), bkv * (1 + max([int(c.max()) for lst in lists for _, c in lst if c.numel()] or [0])))
-    key = key[..., :end, :].repeat_interleave(G, dim=1)
-    value = value[..., :end, :].repeat_interleave(G, dim=1)
-    if scale is None:
-        scale = query.size(-1) ** -0.5
-    qi = torch.arange(Q, device=dev)[:, None]
-    ki = torch.arange(end, device=dev)[None, :]
-    zero = torch.zeros((), dtype=torch.long, device=dev)
-    mask = block_mask.mask_mod(zero, zero, qi, ki).expand(Q, end)
-    visible = torch.zeros(Q, end, dtype=torch.bool, device=dev)
-    for (_, _, partial), lst in zip(tables, lists):
-        blocks = torch.zeros(-(-Q // bq), -(-end // bkv), dtype=torch.bool, device=dev)
-        for i, cols in lst:
-            blocks[i, cols] = True
-        listed = blocks[qi // bq, ki // bkv]
-        visible = visible | (listed & mask if partial else listed)
-    wp = torch.float64 if query.dtype == torch.float64 else torch.float32
-    scores = (query.to(wp) @ key.to(wp).transpose(-2, -1) * scale).to(wp)
-    scores = torch.where(visible, scores, torch.tensor(-math.inf, dtype=wp, device=dev))
-    probs = torch._safe_softmax(scores, dim=-1)
-    return probs.to(query.dtype) @ value.to(query.dtype)
+# Attention: the engine's eager CPU path (dense SDPA) or the real FlexAttention kernel
 
 
 @contextlib.contextmanager
 def attention(kind: str):
-    """kind 'dense': model.flex_attention -> dense_flex_attention (the target's and the drafter's layers both call
-    model.flex_attention); 'flex': unchanged."""
-    if kind == "flex":
+    """kind 'dense': the engine as is (eager CPU runs materialize the mask for SDPA: tree_attn.attention_mask);
+    'flex': every forward hands its layers the BlockMask, so eager FlexAttention runs."""
+    if kind == "dense":
         yield
         return
-    saved = model_mod.flex_attention
-    model_mod.flex_attention = dense_flex_attention
+    saved = tree_attn.attention_mask
+    tree_attn.attention_mask = lambda block_mask: block_mask
     try:
         yield
     finally:
-        model_mod.flex_attention = saved
+        tree_attn.attention_mask = saved
 
 
 # ----------------------------------------------------------------------------------------------------------------
