@@ -30,7 +30,6 @@ When fewer than B prefixes exist (V^1 + ... + V^L < B) the tail is padding: toke
 logq must hold log-probabilities (<= 0, no NaN); -inf (probability 0) is fine.
 """
 
-import functools
 import heapq
 import itertools
 import math
@@ -169,22 +168,12 @@ def build_tree(logq: torch.Tensor, budget: int):
     return (torch.where(real, tokens, 0), torch.where(real, parents, -1), torch.where(real, depths, 0))
 
 
-def children_allowed(K: int, limit: int) -> tuple[int, ...]:
+def children_allowed(K: int, limit: int) -> list[int]:
     """Per frontier position pi = 0, 1, ...: how many ranks k < K satisfy pi * (k + 2) + k <= limit (build_tree's
-    bound), while that is at least one; as cumulative sums, so pairs_within is a lookup."""
-    if limit < 0:
-        return (0,)
-    if torch.compiler.is_compiling():  # dynamo runs the loop once while tracing and bakes in the result
-        return _children_allowed(K, limit)
-    return _children_allowed_cached(K, limit)  # eager: build_tree asks at every depth of every round
-
-
-def _children_allowed(K: int, limit: int) -> tuple[int, ...]:
-    counts = [min(K, (limit - 2 * pi) // (pi + 1) + 1) for pi in range(limit // 2 + 1)]
-    return tuple(itertools.accumulate(counts, initial=0))
-
-
-_children_allowed_cached = functools.lru_cache(maxsize=4096)(_children_allowed)
+    bound), while that is at least one; as cumulative sums, so pairs_within is a lookup. Under torch.compile this
+    Python runs once, while tracing."""
+    counts = [min(K, (limit - 2 * pi) // (pi + 1) + 1) for pi in range(limit // 2 + 1)] if limit >= 0 else []
+    return list(itertools.accumulate(counts, initial=0))
 
 
 def pairs_within(F: int, K: int, limit: int) -> int:
