@@ -133,6 +133,18 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     return ms
 
 
+def round_header(cols, compiled: bool, width: int = 8) -> str:
+    return (f"{'B':>5s} " + " ".join(f"{c[:width]:>{width}s}" for c in cols) + f" {'overhead':>9s}"
+            + (f" {'compiled':>9s}" if compiled else ""))
+
+
+def round_row(budget, ms, cols, width: int = 8) -> str:
+    """One line of a round_split table: the stages' milliseconds, the eager overhead share and, when the whole
+    round was compiled, its overhead share."""
+    return (f"{budget:5d} " + " ".join(f"{ms[c]:{width}.2f}" for c in cols) + f" {ms['overhead_pct']:8.1f}%"
+            + (f" {ms['round_overhead_pct']:8.1f}%" if "round_overhead_pct" in ms else ""))
+
+
 def interleaved(fns, device, repeats):
     """Median milliseconds of each of fns, called in turn `repeats` times (after one warm-up call each)."""
     for fn in fns:
@@ -188,13 +200,11 @@ def main():
               f"{'forwards compiled' if a.compile else 'eager'}; median of {a.repeats}, ms")
         cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "sum"] + (
             ["round", "tree_work"] if a.compile else [])
-        print(f"{'B':>5s} " + " ".join(f"{c:>8s}" for c in cols) + f" {'overhead':>9s}"
-              + (f" {'compiled':>9s}" if a.compile else ""))
+        print(round_header(cols, a.compile))
         for budget in a.budgets:
             ms = round_split(target, drafter, budget, a.compile, a.repeats)
             results["rounds"][budget] = ms
-            print(f"{budget:5d} " + " ".join(f"{ms[c]:8.2f}" for c in cols) + f" {ms['overhead_pct']:8.1f}%"
-                  + (f" {ms['round_overhead_pct']:8.1f}%" if a.compile else ""), flush=True)
+            print(round_row(budget, ms, cols), flush=True)
         print("overhead = (tree + mask + walk + compact) / sum of stages, each stage eager; compiled = (round - "
               "draft - context - verify) / round, the whole round compiled (draft and context: the drafter's forward"
               " in two parts); tree_work = tree + mask + walk compiled together")

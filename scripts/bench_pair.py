@@ -17,7 +17,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from bench import round_split, write_json  # noqa: E402
+from bench import round_header, round_row, round_split, write_json  # noqa: E402
 from checkpoints import stdlib_files  # noqa: E402
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Text, generate  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
@@ -133,14 +133,12 @@ def main():
 
     splits = {}
     print(f"\nround split (ms, stages eager{' but the forwards compiled' if a.compile else ''}):")
-    print(f"{'B':>5s} {'draft':>7s} {'tree':>7s} {'mask':>7s} {'verify':>7s} {'walk':>7s} {'compact':>7s} "
-          f"{'context':>7s} {'overhead':>9s}")
+    cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context"]
+    print(round_header(cols, a.compile))
     for budget in a.budgets:
         ms = round_split(target, drafter, budget, a.compile, repeats=5, prompt_len=128)
         splits[budget] = ms
-        print(f"{budget:5d} " + " ".join(f"{ms[c]:7.2f}" for c in ("draft", "tree", "mask", "verify", "walk",
-                                                                      "compact", "context"))
-              + f" {ms['overhead_pct']:8.1f}%")
+        print(round_row(budget, ms, cols))
     chain_key = "dflash-1-T1"
     best_key = max((k for k in rows if k.startswith("ddtree") and k.endswith("T1")), key=lambda k: rows[k]["tau"])
     plots(rows, a.out, chain_key, best_key)

@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench import round_split, sync, timed, tree_alone, write_json  # noqa: E402
+from bench import round_header, round_row, round_split, sync, timed, tree_alone, write_json  # noqa: E402
 from ddtree import Engine, cache_length, generate  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
@@ -107,28 +107,13 @@ def end_to_end(target, drafter, budget, new_tokens=64, prompt_len=128):
     return out
 
 
-ROUND_COLUMNS = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "round", "tree_work"]
-
-
-def run_round(a, budget, target, drafter, out, section, t0, graphs):
-    """One budget's round split (bench.round_split), printed as a table row (with the header before the first)."""
-    cols = ROUND_COLUMNS + (["tree_work_nograph"] if target.device.type == "cuda" else [])
-    if not run_round.header_printed:
-        run_round.header_printed = True
-        print(f"{'B':>5s} " + " ".join(f"{c[:9]:>9s}" for c in cols) + f" {'overhead':>9s} {'compiled':>9s}  (ms;"
-              " stages eager except the forwards (draft, verify, context), compiled as the engine runs them (CUDA"
-              " graphs on the GPU); tree_work: tree + mask + walk compiled together, with and without CUDA graphs;"
-              " overhead: tree + mask + walk + compact share of the stages; compiled: (round - draft - context -"
-              " verify) / round)", flush=True)
+def run_round(a, budget, target, drafter, out, section, t0, graphs, cols):
+    """One budget's round split (bench.round_split), as a table row."""
     if not section(f"round B={budget}", graphs):
         return
     ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)
     out["rounds"][budget] = ms
-    print(f"{budget:5d} " + " ".join(f"{ms[c]:9.2f}" for c in cols)
-          + f" {ms['overhead_pct']:8.1f}% {ms['round_overhead_pct']:8.1f}%  [{time.time() - t0:.0f} s]", flush=True)
-
-
-run_round.header_printed = False
+    print(round_row(budget, ms, cols, width=9) + f"  [{time.time() - t0:.0f} s]", flush=True)
 
 
 def main():
@@ -180,10 +165,16 @@ def main():
                 print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor); first call "
                       f"{first_s:.1f} s  [{time.time() - t0:.0f} s]", flush=True)
         out["rounds"] = {}
+        cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "round", "tree_work"] + (
+            ["tree_work_nograph"] if device.type == "cuda" else [])
+        print(round_header(cols, compiled=True, width=9) + "  (ms; stages eager except the forwards (draft, verify,"
+              " context), compiled as the engine runs them (CUDA graphs on the GPU); tree_work: tree + mask + walk"
+              " compiled together, with and without CUDA graphs; overhead: tree + mask + walk + compact share of the"
+              " stages; compiled: (round - draft - context - verify) / round)", flush=True)
         # The paper's budget first (draft, verify, context and round, plus two small tree-work graphs), then
         # generate() end to end (3 new graphs: AR prefill, DDTree prefill and round), then the other budgets
         # (verify and round, plus the tree work).
-        run_round(a, a.budgets[0], target, drafter, out, section, t0, graphs=5)
+        run_round(a, a.budgets[0], target, drafter, out, section, t0, 5, cols)
         if section("end to end", graphs=3):
             e2e = end_to_end(target, drafter, a.e2e_budget)
             out["end_to_end"] = {m: {k: v for k, v in e2e[m].items() if k != "tokens"} for m in ("ar", "ddtree")}
@@ -196,7 +187,7 @@ def main():
             print(f"DDTree B={a.e2e_budget} and AR agree on the first {e2e['agree_prefix']} of "
                   f"{len(e2e['ar']['tokens'])} tokens (random weights: near ties)", flush=True)
         for budget in a.budgets[1:]:
-            run_round(a, budget, target, drafter, out, section, t0, graphs=3)
+            run_round(a, budget, target, drafter, out, section, t0, 3, cols)
         if section("tree alone", graphs=0):
             t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
             out["tree_alone"] = t
