@@ -12,7 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree, candidate_pairs, pairs_within, topk_per_depth
+from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, format_tree, pairs_within,
+                        topk_per_depth)
 
 INF = math.inf
 SETTINGS = settings(max_examples=80, deadline=None)

@@ -121,43 +121,38 @@ def test_show_tree_records_rounds(models):
     assert picture.count("\n") >= 10 and "✓" in picture
 
 
-def test_compiled_equals_eager_without_recompiles(models):
+def compiled_equals_eager(run, cases):
+    """run(case, compile) -> Result. The first compiled case warms up; after it, every compiled case must give
+    eager's tokens with no new graph and no graph break. Returns the results after warm-up."""
     from torch._dynamo.utils import counters
+    eager = [run(c, compile=False).tokens for c in cases]
+    warm = run(cases[0], compile=True)
+    counters.clear()  # after warm-up: every later round must reuse the graphs, whatever the prompt length
+    runs = [run(c, compile=True) for c in cases[1:]]
+    assert [warm.tokens] + [r.tokens for r in runs] == eager
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return runs
+
+
+def test_compiled_equals_eager_without_recompiles(models):
     target, drafters = models
-    ps = prompts(3, seed=11)
-    NEW = (20, 150, 150)  # a short warm-up run, then 100+ rounds
+    cases = list(zip(prompts(3, seed=11), (20, 150, 150)))  # a short warm-up run, then 100+ rounds
     for method, budget in (("ddtree", 7), ("dflash", 512)):
-        eager = [greedy(target, drafters[5], p, method=method, budget=budget, max_new_tokens=n).tokens
-                 for p, n in zip(ps, NEW)]
-        compiled = [greedy(target, drafters[5], ps[0], method=method, budget=budget, max_new_tokens=NEW[0],
-                           compile=True).tokens]
-        counters.clear()  # after warm-up: every later round must reuse the graphs, whatever the prompt length
-        runs = [greedy(target, drafters[5], p, method=method, budget=budget, max_new_tokens=n, compile=True)
-                for p, n in zip(ps[1:], NEW[1:])]
-        compiled += [r.tokens for r in runs]
-        assert compiled == eager, method
+        runs = compiled_equals_eager(lambda c, compile: greedy(target, drafters[5], c[0], method=method, budget=budget,
+                                                               max_new_tokens=c[1], compile=compile), cases)
         assert sum(r.stats["rounds"] for r in runs) >= 100, [r.stats["rounds"] for r in runs]
-        assert counters["stats"]["unique_graphs"] == 0, (method, dict(counters["stats"]))
-        assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_compiled_sampling_equals_eager_without_recompiles(models):
     # The sampled paths compiled whole (warping, per-node samples from the seeded noise, the tree walk; the
     # chain's min(1, p/q) rule with its residual): the same tokens as eager for the same seed, across prompts.
-    from torch._dynamo.utils import counters
     target, drafters = models
-    ps = prompts(3, seed=12)
     settings = [dict(method="ddtree", budget=9, temperature=0.9, top_p=0.9),
                 dict(method="dflash", temperature=1.1, top_k=6, draft_sampling=True)]
     for kw in settings:
-        run = lambda p, **c: generate(target, drafters[5], p, max_new_tokens=40, stop_ids=[], seed=3, **kw, **c)
-        eager = [run(p).tokens for p in ps]
-        compiled = [run(ps[0], compile=True).tokens]
-        counters.clear()
-        compiled += [run(p, compile=True).tokens for p in ps[1:]]
-        assert compiled == eager, kw
-        assert counters["stats"]["unique_graphs"] == 0, (kw, dict(counters["stats"]))
-        assert not counters["graph_break"], dict(counters["graph_break"])
+        compiled_equals_eager(lambda p, compile: generate(target, drafters[5], p, max_new_tokens=40, stop_ids=[],
+                                                          seed=3, compile=compile, **kw), prompts(3, seed=12))
 
 
 # ---- drafter loading and pair checks ---------------------------------------------------------------------------
