@@ -1,5 +1,5 @@
-"""One-call GPU check (fits a 10-minute device run): Qwen3-8B-shaped target and 8B-shaped DFlash drafter with
-random weights in bf16, built directly on the device (no 16 GB checkpoint to write).
+"""One-call GPU check, sized for a 10-minute device run (not yet run on a GPU): Qwen3-8B-shaped target and
+8B-shaped DFlash drafter with random weights in bf16, built directly on the device (no 16 GB checkpoint to write).
 
     python scripts/gpu_check.py --json out/gpu_check.json          # on the GPU machine
     python scripts/gpu_check.py --small --device cpu                # a smoke test of the script itself
