@@ -65,7 +65,10 @@ class PrefixMask:
         """Point the mask at a new prefix length (int or 0-d tensor) and, optionally, a new allow matrix."""
         self.prefix.copy_(torch.as_tensor(prefix, dtype=torch.int64))
         if allow is not None:
-            self.allow.copy_(allow)
+            # Inside a compiled graph the mask_mod reads `allow` itself, not the buffer. as_strided makes inductor
+            # store it first: torch 2.11's CPU FlexAttention lowering fails on a matrix still inlined as a chain of
+            # elementwise ops (NoValidChoicesError: "Pointwise" has no name), e.g. an even number of doublings.
+            self.allow.copy_(allow.as_strided(allow.shape, allow.stride()))
         # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len).
         blocks = (self.prefix + self.q_len + BLOCK - 1) // BLOCK
         self.kv_num_blocks.copy_(blocks.clamp(max=self.kv_len // BLOCK).to(torch.int32).expand_as(self.kv_num_blocks))
