@@ -27,3 +27,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+class HostReads:
+    """Counts reads of tensor values into Python (tolist, item, bool, int, float, index) while active: on a GPU
+    each one is a host sync, so a compiled round should make exactly one. A request also makes four outside its
+    rounds: the prompt's id range check (min and max of the prompt, a host tensor) and the prefill's NaN flag and
+    first token."""
+
+    METHODS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+    def __enter__(self):
+        self.count, self.saved = 0, {}
+        for name in self.METHODS:
+            self.saved[name] = vars(torch.Tensor).get(name)  # None: inherited from the C base class
+            setattr(torch.Tensor, name, self.counted(getattr(torch.Tensor, name)))
+        return self
+
+    def counted(self, method):
+        def read(tensor, *args, **kwargs):
+            self.count += 1
+            return method(tensor, *args, **kwargs)
+        return read
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)

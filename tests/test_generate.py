@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ddtree
+from conftest import HostReads
 from ddtree import generate
 from model import Qwen3
 
@@ -77,7 +78,11 @@ def test_compiled_equals_eager_without_recompiles(pair):
              for p, n in zip(ps, (12, 60, 60))]
     compiled = [generate(ours, None, ps[0], method="ar", max_new_tokens=12, stop_ids=[], compile=True).tokens]
     counters.clear()  # after warm-up: every later step must reuse the graphs, whatever the prompt length
-    runs = [generate(ours, None, p, method="ar", max_new_tokens=60, stop_ids=[], compile=True) for p in ps[1:]]
+    runs = []
+    for p in ps[1:]:
+        with HostReads() as reads:
+            runs.append(generate(ours, None, p, method="ar", max_new_tokens=60, stop_ids=[], compile=True))
+        assert reads.count == runs[-1].stats["rounds"] + 4  # one per step; prompt check and prefill: see HostReads
     compiled += [r.tokens for r in runs]
     assert compiled == eager
     assert sum(r.stats["rounds"] for r in runs) >= 100

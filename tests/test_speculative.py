@@ -1,5 +1,6 @@
 """The speculative methods end to end on random pairs: greedy dflash and ddtree equal greedy ar token for token,
-compiled equals eager without recompiles, the drafter's loader and pair checks, bad input."""
+compiled equals eager without recompiles and with one host read per round, the drafter's loader and pair checks,
+bad input."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import HostReads
 from ddtree import generate
 from drafter import DFlashDrafter, default_target_layer_ids
 from model import Qwen3
@@ -128,7 +130,13 @@ def compiled_equals_eager(run, cases):
     eager = [run(c, compile=False).tokens for c in cases]
     warm = run(cases[0], compile=True)
     counters.clear()  # after warm-up: every later round must reuse the graphs, whatever the prompt length
-    runs = [run(c, compile=True) for c in cases[1:]]
+    runs = []
+    for c in cases[1:]:
+        with HostReads() as reads:
+            runs.append(run(c, compile=True))
+        # One host read per round (its committed tokens, length, next bonus and NaN flag in one tensor), plus four
+        # per request: the prompt's id range check (min and max, on the host) and the prefill's NaN flag and token.
+        assert reads.count == runs[-1].stats["rounds"] + 4, (reads.count, runs[-1].stats["rounds"])
     assert [warm.tokens] + [r.tokens for r in runs] == eager
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
