@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import HostReads
+from conftest import compiled_equals_eager
 from ddtree import generate
 from drafter import DFlashDrafter, default_target_layer_ids
 from model import Qwen3
@@ -121,26 +121,6 @@ def test_show_tree_records_rounds(models):
     tokens, parents, depths, path, length = res.trees[0]
     picture = format_tree(tokens, parents, depths, accepted_rows=path[:length])
     assert picture.count("\n") >= 10 and "✓" in picture
-
-
-def compiled_equals_eager(run, cases):
-    """run(case, compile) -> Result. The first compiled case warms up; after it, every compiled case must give
-    eager's tokens with no new graph and no graph break. Returns the results after warm-up."""
-    from torch._dynamo.utils import counters
-    eager = [run(c, compile=False).tokens for c in cases]
-    warm = run(cases[0], compile=True)
-    counters.clear()  # after warm-up: every later round must reuse the graphs, whatever the prompt length
-    runs = []
-    for c in cases[1:]:
-        with HostReads() as reads:
-            runs.append(run(c, compile=True))
-        # One host read per round (its committed tokens, length, next bonus and NaN flag in one tensor), plus four
-        # per request: the prompt's id range check (min and max, on the host) and the prefill's NaN flag and token.
-        assert reads.count == runs[-1].stats["rounds"] + 4, (reads.count, runs[-1].stats["rounds"])
-    assert [warm.tokens] + [r.tokens for r in runs] == eager
-    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    return runs
 
 
 def test_compiled_equals_eager_without_recompiles(models):
