@@ -138,6 +138,26 @@ def random_dflash_weights(c: dict, seed: int = 1, std: float = 0.05) -> dict:
     return w
 
 
+def zlab_config(target_config: dict, layers: int, block_size: int, mask_token_id: int, target_layer_ids,
+                intermediate_size: int | None = None) -> dict:
+    """config.json of a drafter for a Qwen3 target (its config.json as a dict), in z-lab's layout."""
+    c = {k: target_config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                       "head_dim", "rms_norm_eps", "max_position_embeddings") if k in target_config}
+    theta = target_config.get("rope_theta", (target_config.get("rope_parameters") or {}).get("rope_theta", 1e6))
+    c.update(architectures=["DFlashDraftModel"], model_type="qwen3", num_hidden_layers=layers,
+             intermediate_size=intermediate_size or target_config["intermediate_size"], rope_theta=theta,
+             tie_word_embeddings=False, attention_bias=False, block_size=block_size,
+             num_target_layers=target_config["num_hidden_layers"],
+             dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)})
+    return c
+
+
+def zlab_weights(drafter: torch.nn.Module, dtype=torch.float32) -> dict:
+    """A drafter.DFlashDrafter's tensors under z-lab's names (layers.{i}.*, fc.weight, hidden_norm.weight,
+    norm.weight)."""
+    return {k: v.detach().to(dtype).contiguous().clone() for k, v in drafter.state_dict().items()}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Resumable training state: the trainable module's parameters and the optimizer's moments in one safetensors file,
 # and the step, log and arguments in a small json (no pickle anywhere).

@@ -9,8 +9,8 @@ lm_head reads the drafter's output. Each step takes B sequences, half windows of
 own greedy continuations of real prompts (generated once and cached in --out; a quarter of those prompts end right
 after a chat template's assistant header, which is what the CLI feeds), runs the target over them, and places
 random anchors; block j is [token at anchor, MASK ...] at positions anchor .. anchor + block_size - 1, sees the
-context strictly before its anchor and its whole block (drafter.block_mask_mod). Its labels are the target's greedy
-tokens, kept only while the sequence follows the target's greedy path from the anchor (drafter.block_labels), so
+context strictly before its anchor and its whole block (block_mask_mod). Its labels are the target's greedy
+tokens, kept only while the sequence follows the target's greedy path from the anchor (block_labels), so
 every label is what the target's greedy decoding from that anchor produces.
 
 Objectives (--objective):
@@ -24,7 +24,9 @@ Every --eval-every steps: held-out acceptance one step from real held-out contex
 files, the target's greedy bonus and rollout as labels): per-position accuracy of the drafter's argmax and the
 chain's expected tokens per round (tau = 1 + accepted drafts). Resumable: --out holds the latest state
 (safetensors + json); rerunning the command continues. The result (--out/final) is in z-lab's layout, loadable
-by drafter.DFlashDrafter.from_pretrained.
+by drafter.DFlashDrafter.from_pretrained. docs/training.md explains the recipe; the functions below hold it in
+reading order: the mask rule, the batched forward, anchors / labels / inputs, the losses, then data, the training
+step and evaluation, and main.
 """
 
 import argparse
@@ -35,6 +37,8 @@ import time
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.nn import functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -43,11 +47,175 @@ for p in (HERE, ROOT):
         sys.path.insert(0, p)
 
 from checkpoints import (add_training_options, load_train_state, save_checkpoint, save_train_state,  # noqa: E402
-                         stdlib_files)
-from drafter import (DFlashConfig, DFlashDrafter, block_inputs, block_labels, dflash_loss, diffusion_loss,  # noqa: E402
-                     sample_anchors, training_logits, training_mask, zlab_config, zlab_weights)
-from model import Qwen3, read_json  # noqa: E402
+                         stdlib_files, zlab_config, zlab_weights)
+from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
+from model import Qwen3, apply_rope, read_json, rope_cos_sin  # noqa: E402
 from train_target import HELD_OUT_EVERY, build_stream, forward_batch, greedy_continue, init_weights, lr_at  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The training batch: the mask rule, the batched forward, anchors / labels / inputs, the losses (docs/training.md)
+#
+# A training batch holds B sequences of C tokens, the frozen target's chosen-layer features of all C positions,
+# and n random anchors per sequence. Block j of sequence b is [token at anchor, MASK x (block_size - 1)] at
+# positions anchor .. anchor + block_size - 1 (or, for the diffusion objective, the clean labels with a random
+# subset masked). All n blocks of a sequence are query rows of one attention whose keys are
+# [context positions 0 .. C-1 ; the n blocks], and block j may see the context strictly before its anchor and
+# its whole block, nothing else (docs/training.md: bidirectional within a block, causal across). That rule is written
+# once, as a mask_mod: FlexAttention runs it where it has a backward (CUDA), and on CPU it is materialized as the
+# same boolean mask for SDPA. Each layer's K/V are exactly those of inference (DFlashDrafter.append_context and
+# Block.forward): the context's are k_norm(k_proj(hidden_norm(fc(features)))) without input_layernorm, the block's
+# come from input_layernorm(x); both roped at absolute positions. tests/test_training.py checks the logits against
+# DFlashDrafter.draft.
+
+
+def block_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int):
+    """mask_mod(b, h, q, kv) for query rows = n blocks of block_size per sequence (anchors [B, n]) and keys =
+    [context_len context positions ; n * block_size block rows]."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // block_size
+        sees_context = kv_idx < anchors[b, block]  # context positions before the anchor (kv < anchor < C)
+        same_block = (kv_idx - context_len) // block_size == block  # negative for context keys: never equal
+        return sees_context | same_block
+
+    return mask_mod
+
+
+def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """The mask_mod as a boolean [B, 1, Q, C + Q] tensor (True = may attend), for SDPA."""
+    q_len = anchors.shape[1] * block_size
+    return create_mask(block_mask_mod(anchors, context_len, block_size), anchors.shape[0], 1, q_len,
+                       context_len + q_len, device=anchors.device)
+
+
+def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
+    """The mask_mod as a FlexAttention BlockMask (for training on CUDA, where FlexAttention has a backward)."""
+    q_len = anchors.shape[1] * block_size
+    return create_block_mask(block_mask_mod(anchors, context_len, block_size), anchors.shape[0], None, q_len,
+                             context_len + q_len, device=anchors.device)
+
+
+def training_mask(anchors: torch.Tensor, context_len: int, block_size: int):
+    """What training_logits takes: a BlockMask on CUDA, the dense boolean mask elsewhere."""
+    if anchors.device.type == "cuda":
+        return flex_block_mask(anchors, context_len, block_size)
+    return dense_block_mask(anchors, context_len, block_size)
+
+
+def training_logits(drafter: DFlashDrafter, embed, lm_head, features, block_tokens, block_positions, mask):
+    """Batched drafter forward with autograd. features [B, C, len(ids) * hidden] (the target's chosen-layer
+    outputs at positions 0..C-1), block_tokens / block_positions [B, Q] (n blocks of block_size), mask from
+    training_mask. Returns float32 logits [B, Q, vocab]; row k of a block predicts the token at anchor + k."""
+    B, C, _ = features.shape
+    Q = block_tokens.shape[1]
+    x = embed(block_tokens)
+    ctx = drafter.hidden_norm(drafter.fc(features.to(x.dtype)))
+    ctx_cos, ctx_sin = rope_cos_sin(torch.arange(C, device=x.device), drafter.inv_freq, ctx.dtype)
+    cos, sin = rope_cos_sin(block_positions.reshape(-1), drafter.inv_freq, x.dtype)
+    cos, sin = cos.view(B, 1, Q, -1), sin.view(B, 1, Q, -1)
+    for layer in drafter.layers:
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rope(a.q_norm(a.q_proj(h).view(B, Q, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
+        k_blk = apply_rope(a.k_norm(a.k_proj(h).view(B, Q, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
+        v_blk = a.v_proj(h).view(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
+        k_ctx = a.k_norm(a.k_proj(ctx).view(B, C, a.kv_heads, a.head_dim)).transpose(1, 2)
+        k_ctx = apply_rope(k_ctx, ctx_cos, ctx_sin)
+        v_ctx = a.v_proj(ctx).view(B, C, a.kv_heads, a.head_dim).transpose(1, 2)
+        k, v = torch.cat([k_ctx, k_blk.to(k_ctx.dtype)], dim=2), torch.cat([v_ctx, v_blk.to(v_ctx.dtype)], dim=2)
+        q = q.to(k.dtype)
+        gqa = a.heads != a.kv_heads
+        if isinstance(mask, BlockMask):
+            out = flex_attention(q, k, v, block_mask=mask, scale=a.head_dim ** -0.5, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.head_dim ** -0.5, enable_gqa=gqa)
+        x = x + a.o_proj(out.transpose(1, 2).reshape(B, Q, a.heads * a.head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return lm_head(drafter.norm(x)).float()
+
+
+def sample_anchors(batch: int, n: int, low: int, high: int, generator=None, device=None) -> torch.Tensor:
+    """n distinct anchors per sequence, uniform in [low, high] (sorted), as [batch, n] int64."""
+    span = high - low + 1
+    if n > span:
+        raise ValueError(f"cannot place {n} distinct anchors in [{low}, {high}]")
+    keys = torch.rand(batch, span, generator=generator)
+    return (keys.topk(n, dim=1).indices.sort(dim=1).values + low).to(device)
+
+
+def block_labels(tokens, greedy, anchors, block_size: int):
+    """The drafter's targets for every block: labels [B, n, block_size - 1], the target's greedy token at
+    anchor + k (greedy[:, p] = argmax of the target's logits at p - 1, i.e. greedy[:, p] follows tokens[:, :p]),
+    and valid [B, n, block_size - 1]: position k is a label only while the sequence follows the target's greedy
+    path from the anchor (tokens at anchor + 1 .. anchor + k - 1 equal the greedy tokens there), so the label is
+    what the target's own greedy decoding from the anchor would produce. tokens [B, C]; greedy [B, C + 1]."""
+    B, C = tokens.shape
+    k = torch.arange(1, block_size, device=tokens.device)
+    pos = anchors[:, :, None] + k  # [B, n, L]
+    inside = pos <= C  # greedy has C + 1 entries: a label exists up to position C
+    labels = torch.gather(greedy, 1, pos.clamp(max=C).flatten(1)).view_as(pos)
+    tok = torch.gather(tokens, 1, pos.clamp(max=C - 1).flatten(1)).view_as(pos)
+    on_path = (tok == labels) & (pos <= C - 1)  # the sequence takes the greedy token at anchor + k
+    # position k is valid iff every earlier block position (1 .. k-1) was on the path
+    before = torch.cat([torch.ones_like(on_path[..., :1]), on_path[..., :-1]], dim=-1).cumprod(-1).bool()
+    return labels, before & inside
+
+
+def block_inputs(tokens, anchors, block_size: int, mask_token_id: int, clean=None, masked=None):
+    """Block tokens and positions [B, n * block_size]: [token at anchor, then MASK] (or, with clean labels
+    [B, n, L] and masked [B, n, L] bool, the clean label where not masked)."""
+    B, n = anchors.shape
+    first = torch.gather(tokens, 1, anchors)
+    rest = torch.full((B, n, block_size - 1), mask_token_id, dtype=tokens.dtype, device=tokens.device)
+    if clean is not None:
+        rest = torch.where(masked, rest, clean)
+    blocks = torch.cat([first[..., None], rest], dim=-1)
+    positions = anchors[..., None] + torch.arange(block_size, device=tokens.device)
+    return blocks.flatten(1), positions.flatten(1)
+
+
+def _block_predictions(logits, labels):
+    B, n, L = labels.shape
+    return logits.view(B, n, L + 1, -1)[:, :, 1:].float().log_softmax(-1)  # row 0 (the anchor's) is no prediction
+
+
+def _kl(logq, target_logits):
+    """KL(target || drafter) per position."""
+    logp = target_logits.float().log_softmax(-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def dflash_loss(logits, labels, valid, gamma: float, target_logits=None, kl_weight: float = 0.0):
+    """DFlash's hard cross-entropy on the target's greedy tokens, block position k weighted exp(-(k - 1) / gamma),
+    averaged over valid positions with those weights (+ kl_weight x the same average of KL(target || drafter)).
+    logits [B, n * bs, V] (block rows); labels / valid [B, n, bs - 1]; target_logits [B, n, bs - 1, V]: the
+    target's logits for each block position (taken at the position before it)."""
+    logq = _block_predictions(logits, labels)
+    L = labels.shape[-1]
+    w = torch.exp(-torch.arange(L, device=logits.device, dtype=torch.float32) / gamma) * valid
+    ce = -torch.gather(logq, -1, labels[..., None])[..., 0]
+    total = w.sum().clamp(min=1e-6)
+    loss = (ce * w).sum() / total
+    if kl_weight and target_logits is not None:
+        loss = loss + kl_weight * (_kl(logq, target_logits) * w).sum() / total
+    return loss
+
+
+def diffusion_loss(logits, labels, valid, masked, t, target_logits=None, kl_weight: float = 0.0):
+    """The block-diffusion masked ELBO (docs/training.md): cross-entropy on masked positions weighted 1/t (t [B, n],
+    the block's masking rate), summed and divided by the number of valid positions, so that its expectation over
+    the masking is the mean per-position loss; plus kl_weight x KL(target || drafter) on the same positions with
+    the same weights. Shapes as dflash_loss; masked [B, n, bs - 1] bool."""
+    logq = _block_predictions(logits, labels)
+    w = (masked & valid).float() / t[..., None]
+    ce = -torch.gather(logq, -1, labels[..., None])[..., 0]
+    total = valid.float().sum().clamp(min=1)
+    loss = (ce * w).sum() / total
+    if kl_weight and target_logits is not None:
+        loss = loss + kl_weight * (_kl(logq, target_logits) * w).sum() / total
+    return loss
+
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from ddtree import generate
-from drafter import (DFlashDrafter, block_inputs, block_labels, dense_block_mask, dflash_loss,
-                     diffusion_loss, flex_block_mask, training_logits, training_mask)
+from drafter import DFlashDrafter
 from model import Qwen3
 from tree_attn import PrefixMask, causal
 
@@ -20,6 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import train_drafter  # noqa: E402
 import train_target  # noqa: E402
 from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa: E402,E501
+from train_drafter import (block_inputs, block_labels, dense_block_mask, dflash_loss, diffusion_loss,  # noqa: E402
+                           flex_block_mask, training_logits, training_mask)
 
 VOCAB = 64
 CACHE = 256
