@@ -13,7 +13,10 @@ Every method is lossless: greedy output equals plain greedy decoding, sampled ou
 
 import argparse
 import json
+import numbers
 import os
+import reprlib
+import secrets
 import sys
 import time
 import warnings
@@ -24,13 +27,15 @@ import torch
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree
 from drafter import DFlashDrafter
 from model import Qwen3, read_json
-from sampler import Sampling, draw_noise, sample, verify_chain_sampled, walk_tree, warp_probs
+from sampler import Sampling, draw_noise, sample, tempered, verify_chain_sampled, walk_tree, warp_probs
 from tree_attn import PrefixMask, causal, compact_kv, round_up
 
 # Eager FlexAttention (the uncompiled path, used on CPU and in tests) warns that it materializes scores: we know.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 PREFILL_CHUNK = 128  # prompt rows per target forward; fixed so one compiled graph serves every prompt length
+DEFAULT_BUDGET = 512  # the paper's tree size
+INT64_MAX = 2**63 - 1
 METHODS = ("ddtree", "dflash", "ar")
 DEFAULT_TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-target")
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-draft")
@@ -38,14 +43,6 @@ DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets
 
 # ----------------------------------------------------------------------------------------------------------------
 # The engine: static buffers, masks and (optionally compiled) steps for one target (+ drafter) and settings
-
-
-def check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
 
 
 class Engine:
@@ -60,7 +57,8 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.draft_temperature, self.denoise_steps = draft_temperature, denoise_steps
         # Sampled drafts need the min(1, p/q) rule; greedy decoding and trees use deterministic candidates.
-        self.draft_sampling = draft_sampling and method == "dflash" and not sampling.greedy
+        self.draft_sampling = draft_sampling
+        self.compiled, self.warm = compile, not compile
         target.setup_cache(max_seq_len)
         self.prefill_mask = PrefixMask(PREFILL_CHUNK, max_seq_len, self.device)
         self.prefill_mask.allow.copy_(causal(PREFILL_CHUNK))
@@ -89,10 +87,16 @@ class Engine:
                 for f in (self._prefill_step, self._decode_step, self._round))
 
     def pick(self, logits, noise):
-        """The target's token at each row of float32 logits [R, V]: argmax when greedy, else a warped sample."""
+        """The target's token at each row of float32 logits [R, V] (argmax when greedy, else a warped sample), and
+        whether the draw was sound: every logit finite and every chosen token of positive, finite probability
+        (no silent token 0 from a NaN distribution)."""
+        ok = torch.isfinite(logits).all()
         if self.sampling.greedy:
-            return logits.argmax(-1)
-        return sample(warp_probs(logits, self.sampling), noise)
+            return logits.argmax(-1), ok
+        probs = warp_probs(logits, self.sampling)
+        tokens = sample(probs, noise)
+        chosen = probs.gather(-1, tokens[:, None])
+        return tokens, ok & (chosen > 0).all() & torch.isfinite(chosen).all()
 
     # -- prefill and plain decoding ------------------------------------------------------------------------------
 
@@ -105,12 +109,12 @@ class Engine:
                                        feature_layers=self.feature_layers)
         if self.drafter is not None:  # the prompt is the drafter's first context
             self.drafter.append_context(features, pos, pos)
-        return self.pick(logits, noise), torch.isfinite(logits).all()
+        return self.pick(logits, noise)
 
     def _decode_step(self, token, pos, noise):
         mask = self.decode_mask.set(pos[0])
         logits, _ = self.target(token, pos, pos, mask)
-        return self.pick(logits, noise), torch.isfinite(logits).all()
+        return self.pick(logits, noise)
 
     def prefill(self, prompt: torch.Tensor, generator):
         """Fill the caches with the prompt; returns the first new token (sampled from the last prompt row)."""
@@ -128,7 +132,7 @@ class Engine:
     def _round(self, bonus, start, noise, accept_u, draft_noise):
         """bonus: [1] the last token the target chose, not yet in its cache; start: 0-d, its position (= the
         committed length). Returns the committed rows' tokens [L + 1] (valid up to `length`), length, the next
-        bonus, whether the target's logits were finite, and the tree (for --show-tree)."""
+        bonus, whether the target's logits and draws were sound (Engine.pick), and the tree (for --show-tree)."""
         # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [L, V].
         draft_logits = self.draft(bonus, start)
         # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
@@ -137,10 +141,10 @@ class Engine:
         # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors.
         rows, pos, logits, features = self.verify(bonus, tokens, depths, start, mask)
         # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
-        path, length, next_token = self.accept(logits, tokens, parents, q, noise, accept_u)
+        path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u)
         # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
         self.commit(start, path, pos, features)
-        return rows[path], length, next_token, torch.isfinite(logits).all(), (tokens, parents, depths, path)
+        return rows[path], length, next_token, ok, (tokens, parents, depths, path)
 
     def draft(self, bonus, start):
         return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.denoise_steps)
@@ -156,13 +160,16 @@ class Engine:
         return rows, pos, logits, features
 
     def accept(self, logits, tokens, parents, q, noise, accept_u):
-        """(path [L + 1] of accepted rows from the root, length, next bonus), by the rule that keeps the target's
-        law: sampled chain drafts by min(1, p/q) with the residual, deterministic drafts by the target's own
-        choices (argmax or a warped sample at every row) walked down the tree."""
+        """(path [L + 1] of accepted rows from the root, length, next bonus, sound), by the rule that keeps the
+        target's law: sampled chain drafts by min(1, p/q) with the residual, deterministic drafts by the target's
+        own choices (argmax or a warped sample at every row) walked down the tree."""
         if self.draft_sampling:
-            accepted, next_token = verify_chain_sampled(warp_probs(logits, self.sampling), q, tokens, accept_u, noise)
-            return torch.arange(self.depth + 1, device=logits.device), accepted + 1, next_token
-        return walk_tree(parents, tokens, self.pick(logits, noise), self.depth)
+            p = warp_probs(logits, self.sampling)
+            accepted, next_token = verify_chain_sampled(p, q, tokens, accept_u, noise)
+            ok = torch.isfinite(logits).all() & torch.isfinite(p).all() & torch.isfinite(q).all()
+            return torch.arange(self.depth + 1, device=logits.device), accepted + 1, next_token, ok
+        choices, ok = self.pick(logits, noise)
+        return (*walk_tree(parents, tokens, choices, self.depth), ok)
 
     def commit(self, start, path, pos, features):
         compact_kv(self.target.kv_caches(), start, path)
@@ -179,7 +186,7 @@ class Engine:
         drafts are sampled (for the min(1, p/q) rule), else None."""
         L = self.depth
         if self.method == "ddtree":
-            logq = torch.log_softmax(draft_logits / self.draft_temperature, dim=-1)
+            logq = torch.log_softmax(tempered(draft_logits, self.draft_temperature), dim=-1)
             # Compiled: fixed-shape tensor ops. Eager: the paper's heap, the readable reference, which is also
             # faster outside a graph (0.3 vs 1.0 ms on the bundled pair at B=64). Both give the same tree.
             build = build_tree if torch.compiler.is_compiling() else build_tree_heap
@@ -205,6 +212,26 @@ class Engine:
             return noise, None, None
         accept_u = torch.rand(self.depth, generator=generator, device=self.device)
         return noise, accept_u, self.noise(self.depth, generator)
+
+
+    def warm_up(self) -> float:
+        """Compile a new compiled engine's steps by running each once on a one-token dummy prompt; returns the
+        seconds it took (0 when there is nothing to compile), so that a run's tokens/s counts generation alone.
+        The dummy's K/V lie in slots that the real prefill overwrites or that no mask lets a row see."""
+        if self.warm:
+            return 0.0
+        t0 = time.perf_counter()
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        token, _ = self.prefill(torch.zeros(1, dtype=torch.long, device=self.device), generator)
+        start = torch.tensor(1, device=self.device)
+        if self.drafter is None:
+            self.decode_step(token.clone().view(1), start.view(1), self.noise(1, generator))
+        else:
+            self.round(token.clone().view(1), start, *self.round_randomness(generator))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warm = True
+        return time.perf_counter() - t0
 
 
 _ENGINES: dict = {}
@@ -236,85 +263,66 @@ def cache_length(prompt_len: int, max_new_tokens: int, extra: int) -> int:
     return round_up(max(need, 1024), 1024)
 
 
-def check_request(target, drafter, prompt, method, budget, max_new_tokens, seed, draft_temperature, denoise_steps):
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    check_int("max_new_tokens", max_new_tokens, 1)
-    check_int("budget", budget, 1)
-    check_int("denoise_steps", denoise_steps, 1)
-    if seed is not None:
-        check_int("seed", seed, 0)
-    if not (isinstance(draft_temperature, (int, float)) and draft_temperature > 0 and
-            draft_temperature < float("inf")):
-        raise ValueError(f"draft_temperature must be a positive number, got {draft_temperature!r}")
-    if prompt.numel() == 0:
-        raise ValueError("the prompt is empty")
-    vocab = target.config.vocab_size
-    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
-        raise ValueError(f"prompt ids must lie in [0, {vocab}) for this target")
-    limit = target.config.max_position_embeddings
-    if prompt.numel() + max_new_tokens > limit:
-        raise ValueError(f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"target's max_position_embeddings ({limit})")
-    if method != "ar":
-        if drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter")
-        drafter.bind(target)
-        # The verify writes budget + 1 rows after the committed tokens; the cache holds at most
-        # max_position_embeddings slots (rounded up to the attention block).
-        rows = (budget if method == "ddtree" else drafter.block_size) + 1
-        if prompt.numel() + max_new_tokens + rows > round_up(limit):
-            raise ValueError(f"budget {budget} is beyond what the cache can hold: prompt ({prompt.numel()}) + "
-                             f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
-
-
 def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
-             budget: int = 512, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+             budget: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop_ids=None, compile: bool = False,
              on_tokens=None, draft_temperature: float = 1.0, draft_sampling: bool = False, denoise_steps: int = 1,
              show_tree: bool = False) -> Result:
-    """Generate up to `max_new_tokens` after `prompt_ids` (list of ints or 1-D tensor). See DESIGN.md.
+    """Generate up to `max_new_tokens` after `prompt_ids` (a list of ints or a 1-D integer tensor).
 
-    on_tokens(list[int]) is called with the tokens committed by each round (for streaming). Extras beyond the
-    design card: draft_temperature (the drafter's temperature for building trees; 1 as in the paper),
-    draft_sampling (dflash: sample the chain from the warped draft law and verify with min(1, p/q)),
-    denoise_steps (T drafter passes per round), show_tree (keep each round's tree in Result.trees)."""
+    budget: ddtree's tree size (default 512). on_tokens(list[int]) is called with the tokens each round emits
+    (for streaming). draft_temperature: the drafter's temperature for building trees (ddtree; 1 as in the
+    paper); draft_sampling: dflash samples its chain from the warped draft law and verifies with min(1, p/q)
+    (needs temperature > 0); denoise_steps: drafter passes per round; show_tree: keep each round's tree in
+    Result.trees. A setting that cannot apply to the method (or top_k/top_p/min_p with greedy decoding) is a
+    ValueError, not silently ignored; bad values are a ValueError or TypeError saying what is expected.
+
+    stats: new_tokens, rounds, accepted (tokens each round emitted; their sum is new_tokens - 1, the first token
+    coming from the prefill), verified (tokens each round's verify accepted, drafts + the target's next token,
+    before a stop token or the token limit cut them), tau = mean of accepted, seconds and tokens_per_s (the
+    generation alone), compile_seconds (warming up a new compiled engine, outside `seconds`), seed.
+    """
+    prompt = check_prompt(prompt_ids, target)
+    stop = check_stop_ids(target.eos_ids if stop_ids is None else stop_ids)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    prompt = torch.as_tensor(prompt_ids if prompt_ids is not None else [], dtype=torch.long).flatten()
-    check_request(target, drafter, prompt, method, budget, max_new_tokens, seed, draft_temperature, denoise_steps)
-    stop = set(target.eos_ids if stop_ids is None else stop_ids)
+    check_request(target, drafter, len(prompt), method, budget, max_new_tokens, sampling, seed, compile, on_tokens,
+                  draft_temperature, draft_sampling, denoise_steps, show_tree)
+    budget = (DEFAULT_BUDGET if budget is None else budget) if method == "ddtree" else None
     if method == "ar":
         drafter, extra = None, 0
     else:
         extra = (budget if method == "ddtree" else drafter.block_size) + drafter.block_size
-    options = dict(draft_temperature=float(draft_temperature), draft_sampling=bool(draft_sampling),
+    options = dict(draft_temperature=float(draft_temperature), draft_sampling=draft_sampling,
                    denoise_steps=denoise_steps)
+    # A fresh seed from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs.
+    seed = secrets.randbits(63) if seed is None else seed
 
     with torch.inference_mode():
         engine = get_engine(target, drafter, method, budget, sampling,
-                            cache_length(prompt.numel(), max_new_tokens, extra), compile, **options)
+                            cache_length(len(prompt), max_new_tokens, extra), compile, **options)
+        compile_seconds = engine.warm_up()
         generator = torch.Generator(device=engine.device)
-        generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
+        generator.manual_seed(seed)
         t0 = time.perf_counter()
-        token, finite = engine.prefill(prompt.to(engine.device), generator)
-        if not bool(finite):
+        token, ok = engine.prefill(torch.tensor(prompt, device=engine.device), generator)
+        if not bool(ok):
             raise ValueError(NON_FINITE)
-        tokens, accepted, trees = [], [], []
-        start = torch.tensor(prompt.numel(), device=engine.device)
+        tokens, accepted, verified, trees = [], [], [], []
+        start = torch.tensor(len(prompt), device=engine.device)
         done = emit(tokens, [token.item()], stop, max_new_tokens, on_tokens)
         while not done:
             # Under CUDA graphs the last call's outputs live in the graph's memory pool, which the next replay
             # overwrites: feed back a copy of the token (gpt-fast does the same), never the output itself.
             token = token.clone()
             if method == "ar":
-                token, finite = engine.decode_step(token.view(1), start.view(1), engine.noise(1, generator))
-                value, ok = torch.stack([token.view(-1)[0], finite.long()]).tolist()  # the step's one host sync
+                token, ok = engine.decode_step(token.view(1), start.view(1), engine.noise(1, generator))
+                value, ok = torch.stack([token.view(-1)[0], ok.long()]).tolist()  # the step's one host sync
                 new, start = [value], start + 1
             else:
-                rows, length, token, finite, tree = engine.round(token.view(1), start,
-                                                                 *engine.round_randomness(generator))
-                # The round's one host sync: the committed rows, how many, the next bonus, and the NaN check.
-                out = torch.cat([rows, length.view(1), token.view(1), finite.view(1).long()]).tolist()
+                rows, length, token, ok, tree = engine.round(token.view(1), start,
+                                                             *engine.round_randomness(generator))
+                # The round's one host sync: the committed rows, how many, the next bonus, and the soundness flag.
+                out = torch.cat([rows, length.view(1), token.view(1), ok.view(1).long()]).tolist()
                 n, ok = out[-3], bool(out[-1])
                 new = out[1:n] + [out[-2]]  # accepted drafts (rows[0] is the old bonus, already out) + next bonus
                 start = start + length
@@ -322,17 +330,21 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
                     trees.append(tuple(t.clone() for t in tree) + (n,))
             if not ok:
                 raise ValueError(NON_FINITE)
-            accepted.append(len(new))
+            before = len(tokens)
             done = emit(tokens, new, stop, max_new_tokens, on_tokens)
+            accepted.append(len(tokens) - before)
+            verified.append(len(new))
         seconds = time.perf_counter() - t0
     rounds = len(accepted)
-    stats = dict(method=method, budget=budget if method == "ddtree" else None, new_tokens=len(tokens),
-                 rounds=rounds, tau=(sum(accepted) / rounds if rounds else 0.0), accepted=accepted,
-                 seconds=seconds, tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0)
+    stats = dict(method=method, budget=budget, new_tokens=len(tokens), rounds=rounds,
+                 tau=(sum(accepted) / rounds if rounds else 0.0), accepted=accepted, verified=verified,
+                 seconds=seconds, tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0,
+                 compile_seconds=compile_seconds, seed=seed)
     return Result(tokens=tokens, stats=stats, trees=trees)
 
 
-NON_FINITE = "the target produced non-finite logits (NaN/inf weights, or overflow in this dtype)"
+NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
+              "dtype)")
 
 
 def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> bool:
@@ -349,6 +361,110 @@ def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> 
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Validation
+#
+# The rule: input is checked once, at the boundary where it enters, and everything past the boundary assumes it
+# is valid. generate() checks its arguments (check_prompt, check_stop_ids, Sampling, check_request); loading
+# checks the checkpoint files (model.py, drafter.py: config values and types, safetensors files, tensor names,
+# shapes and dtypes, the target/drafter fit); the command line checks what only it has (text to numbers, which
+# options apply, the prompt's text) and turns every ValueError / TypeError into one `error:` line, exit 2. The
+# one check left inside the rounds is what no boundary can foresee: non-finite logits or probabilities.
+
+
+def is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, low: int, high: int = INT64_MAX) -> int:
+    if not is_int(value):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return int(value)
+
+
+def check_prompt(prompt_ids, target) -> list[int]:
+    """The prompt as a list of token ids in [0, vocab): a list or tuple of ints, or a 1-D integer tensor."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex() or \
+                prompt_ids.dtype == torch.bool:
+            raise TypeError(f"prompt_ids must be a 1-D integer tensor, got {prompt_ids.dim()}-D {prompt_ids.dtype}")
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError("prompt_ids must be token ids, not text: encode the text with the checkpoint's tokenizer")
+    if not isinstance(prompt_ids, (list, tuple)) or not all(is_int(t) for t in prompt_ids):
+        raise TypeError(f"prompt_ids must be a list of int token ids, got {reprlib.repr(prompt_ids)}")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    vocab = target.config.vocab_size
+    if not all(0 <= t < vocab for t in prompt_ids):
+        raise ValueError(f"prompt ids must lie in [0, {vocab}) for this target")
+    return [int(t) for t in prompt_ids]
+
+
+def check_stop_ids(stop_ids) -> set[int]:
+    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (list, tuple, set, frozenset)) or \
+            not all(is_int(t) for t in stop_ids):
+        raise TypeError(f"stop_ids must be a list of int token ids, got {reprlib.repr(stop_ids)}")
+    return {int(t) for t in stop_ids}
+
+
+def applies(setting: str, method: str, greedy: bool) -> bool:
+    """Whether a setting can change a run of `method`: the one table behind refusing settings that do not apply."""
+    return {"budget": method == "ddtree", "draft_temperature": method == "ddtree",
+            "draft_sampling": method == "dflash" and not greedy, "draft": method != "ar",
+            "denoise_steps": method != "ar", "show_tree": method != "ar",
+            "top_k": not greedy, "top_p": not greedy, "min_p": not greedy}.get(setting, True)
+
+
+def check_applies(method: str, greedy: bool, given, spell=lambda name: name):
+    """Settings given that would change nothing are refused: a silently ignored setting reads as a wrong one."""
+    unused = [spell(name) for name in given if not applies(name, method, greedy)]
+    if unused:
+        mode = "greedy decoding (temperature 0)" if greedy else "sampling"
+        raise ValueError(f"{', '.join(unused)} does not apply to method {method!r} with {mode}")
+
+
+def check_request(target, drafter, prompt_len, method, budget, max_new_tokens, sampling, seed, compile, on_tokens,
+                  draft_temperature, draft_sampling, denoise_steps, show_tree):
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    check_int("max_new_tokens", max_new_tokens, 1)
+    if seed is not None:
+        check_int("seed", seed, 0)
+    for name, value in (("compile", compile), ("draft_sampling", draft_sampling), ("show_tree", show_tree)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise TypeError(f"on_tokens must be a function of a list of token ids, got {on_tokens!r}")
+    if budget is not None:
+        check_int("budget", budget, 1)
+    check_int("denoise_steps", denoise_steps, 1)
+    if isinstance(draft_temperature, bool) or not isinstance(draft_temperature, (int, float)):
+        raise TypeError(f"draft_temperature must be a number, got {draft_temperature!r}")
+    if not 0 < draft_temperature < float("inf"):
+        raise ValueError(f"draft_temperature must be a positive number, got {draft_temperature!r}")
+    given = dict(budget=budget is not None, draft_temperature=draft_temperature != 1, draft_sampling=draft_sampling,
+                 denoise_steps=denoise_steps != 1, show_tree=show_tree, top_k=sampling.top_k != 0,
+                 top_p=sampling.top_p != 1, min_p=sampling.min_p != 0)
+    check_applies(method, sampling.greedy, [name for name, g in given.items() if g])
+    limit = target.config.max_position_embeddings
+    if prompt_len + max_new_tokens > limit:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"target's max_position_embeddings ({limit})")
+    if method != "ar":
+        if drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        drafter.bind(target)
+        # The verify writes budget + 1 rows after the committed tokens; the cache holds at most
+        # max_position_embeddings slots (rounded up to the attention block).
+        rows = ((budget or DEFAULT_BUDGET) if method == "ddtree" else drafter.block_size) + 1
+        if prompt_len + max_new_tokens + rows > round_up(limit):
+            raise ValueError(f"budget {budget} is beyond what the cache can hold: prompt ({prompt_len}) + "
+                             f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Text: tokenizer.json through `tokenizers`, chat templates through jinja2 (as transformers renders them)
 
 
@@ -358,14 +474,22 @@ class Text:
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             raise ValueError(f"{path}: no tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(file)
+        try:
+            self.tokenizer = Tokenizer.from_file(file)
+        except Exception as e:  # the tokenizers library raises plain Exceptions for every malformed file
+            raise ValueError(f"{file}: not a readable tokenizer ({str(e).splitlines()[0][:200]})") from None
         config_file = os.path.join(path, "tokenizer_config.json")
         self.config = read_json(config_file) if os.path.isfile(config_file) else {}
         template_file = os.path.join(path, "chat_template.jinja")
         self.chat_template = self.config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
+            self.chat_template = named.get("default")
         if os.path.isfile(template_file):
-            with open(template_file) as f:
+            with open(template_file, encoding="utf-8", errors="strict") as f:
                 self.chat_template = f.read()
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"{config_file}: chat_template must be a string")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -380,6 +504,7 @@ class Text:
     def render_chat(self, prompt: str) -> str:
         """The user turn plus the assistant header, as transformers' apply_chat_template(add_generation_prompt=True,
         enable_thinking=False) renders it (DFlash drafters were trained without thinking)."""
+        from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -391,19 +516,25 @@ class Text:
             json.dumps(x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, enable_thinking=False,
-            bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, enable_thinking=False,
+                bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
+        except (TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
+            raise ValueError(f"the chat template failed to render ({type(e).__name__}: {e})") from None
 
 
 class Streamer:
     """Prints text as tokens are committed, holding back an incomplete UTF-8 sequence until it completes."""
 
-    def __init__(self, text: Text, out=sys.stdout):
+    def __init__(self, text: Text, out):
+        """out: a text stream, or None to keep the ids only (--json, or stdout closed)."""
         self.text, self.out, self.ids, self.printed = text, out, [], 0
 
     def __call__(self, new_ids):
         self.ids += new_ids
+        if self.out is None:
+            return
         s = self.text.decode(self.ids, skip_special_tokens=True)  # e.g. the final <|im_end|>
         if s.endswith("\ufffd"):
             return
@@ -417,17 +548,21 @@ class Streamer:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="DDTree speculative decoding with a Qwen3 target and a DFlash drafter.")
+    p = argparse.ArgumentParser(
+        description="DDTree speculative decoding with a Qwen3 target and a DFlash drafter.",
+        epilog="An option that does not apply to the chosen method (e.g. --budget with --method dflash, --top-k "
+               "with greedy decoding) is an error, not ignored; --seed is accepted everywhere.")
     p.add_argument("--prompt", required=True)
     p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3 checkpoint: local directory or hub repo id")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="DFlash drafter: local directory or hub repo id")
+    p.add_argument("--draft", default=None, help="DFlash drafter: local directory or hub repo id (dflash, ddtree; "
+                                                 "default: the bundled tiny drafter)")
     p.add_argument("--method", default="ddtree", choices=METHODS)
-    p.add_argument("--budget", default="512", help="tree nodes per round (ddtree)")
+    p.add_argument("--budget", default=None, help=f"tree nodes per round (ddtree; default {DEFAULT_BUDGET})")
     p.add_argument("--max-new-tokens", default="256")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", default="0")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--temperature", default="0", help="0 (default) = greedy")
+    p.add_argument("--top-k", default=None, help="sampling: keep the k most probable tokens")
+    p.add_argument("--top-p", default=None, help="sampling: keep the smallest set of mass >= p")
+    p.add_argument("--min-p", default=None, help="sampling: drop tokens below p x the top probability")
     p.add_argument("--seed", default=None)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the checkpoint's chat template (default: on when it has one)")
@@ -435,51 +570,79 @@ def parse_args(argv):
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--draft-temperature", type=float, default=1.0,
-                   help="temperature of the drafter's distributions when building trees (1 as in the paper)")
-    p.add_argument("--draft-sampling", action="store_true",
-                   help="dflash: sample the chain from the draft law and verify with min(1, p/q)")
-    p.add_argument("--denoise-steps", default="1", help="drafter passes per round (DFlash: 1)")
-    p.add_argument("--show-tree", action="store_true", help="print the first round's tree with accepted marks")
+    p.add_argument("--draft-temperature", default=None,
+                   help="ddtree: temperature of the drafter's distributions when building trees (default 1, as in "
+                        "the paper)")
+    p.add_argument("--draft-sampling", action="store_true", default=None,
+                   help="dflash with sampling: sample the chain from the draft law and verify with min(1, p/q)")
+    p.add_argument("--denoise-steps", default=None, help="dflash, ddtree: drafter passes per round (default 1)")
+    p.add_argument("--show-tree", action="store_true", default=None,
+                   help="dflash, ddtree: print the first round's tree with accepted marks")
     return p.parse_args(argv)
 
 
-def as_int(name: str, text: str) -> int:
+def as_int(name: str, text: str | None) -> int | None:
     try:
-        return int(text)
-    except (TypeError, ValueError):
+        return None if text is None else int(text)
+    except ValueError:
         raise ValueError(f"{name} must be an integer, got {text!r}") from None
 
 
+def as_float(name: str, text: str | None) -> float | None:
+    try:
+        return None if text is None else float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+
+
+def settings_from_args(args) -> dict:
+    """generate()'s keyword arguments from the command line: the options given, as numbers, checked to apply."""
+    values = dict(budget=as_int("--budget", args.budget), max_new_tokens=as_int("--max-new-tokens",
+                    args.max_new_tokens), temperature=as_float("--temperature", args.temperature),
+                    top_k=as_int("--top-k", args.top_k), top_p=as_float("--top-p", args.top_p),
+                    min_p=as_float("--min-p", args.min_p), seed=as_int("--seed", args.seed),
+                    draft_temperature=as_float("--draft-temperature", args.draft_temperature),
+                    denoise_steps=as_int("--denoise-steps", args.denoise_steps),
+                    draft_sampling=args.draft_sampling, show_tree=args.show_tree)
+    given = {k: v for k, v in values.items() if v is not None}
+    flags = set(given) | ({"draft"} if args.draft is not None else set())
+    Sampling(given["temperature"], given.get("top_k", 0), given.get("top_p", 1.0), given.get("min_p", 0.0))
+    check_applies(args.method, given["temperature"] == 0, sorted(flags), spell=lambda n: "--" + n.replace("_", "-"))
+    return given
+
+
 def run_cli(args) -> int:
-    budget = as_int("--budget", args.budget)
-    max_new = as_int("--max-new-tokens", args.max_new_tokens)
-    top_k = as_int("--top-k", args.top_k)
-    seed = None if args.seed is None else as_int("--seed", args.seed)
-    Sampling(args.temperature, top_k, args.top_p, args.min_p)  # validate before loading anything
-    check_int("--budget", budget, 1)
-    if args.device is not None:
-        try:
-            torch.empty(0, device=args.device)
-        except (RuntimeError, AssertionError) as e:
-            raise ValueError(f"device {args.device!r} is not usable here ({str(e).splitlines()[0]})") from None
+    settings = settings_from_args(args)  # before loading anything
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the prompt is not valid UTF-8 text") from None
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
     target = Qwen3.from_pretrained(args.target, device=args.device, dtype=args.dtype)
     text = Text(target.path)
     chat = args.chat if args.chat is not None else bool(text.chat_template)
     if chat and not text.chat_template:
         raise ValueError(f"{args.target}: --chat asked for, but the checkpoint has no chat template")
     prompt_ids = text.encode(text.render_chat(args.prompt) if chat else args.prompt)
-    if not args.prompt or not prompt_ids:
+    if not prompt_ids:
         raise ValueError("the prompt is empty")
     drafter = None
     if args.method != "ar":
-        drafter = DFlashDrafter.from_pretrained(args.draft, device=target.device, dtype=target.dtype)
-    streamer = None if args.json else Streamer(text)
-    res = generate(target, drafter, prompt_ids, method=args.method, budget=budget, max_new_tokens=max_new,
-                   temperature=args.temperature, top_k=top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
-                   compile=args.compile, on_tokens=streamer, draft_temperature=args.draft_temperature,
-                   draft_sampling=args.draft_sampling, denoise_steps=as_int("--denoise-steps", args.denoise_steps),
-                   show_tree=args.show_tree)
+        drafter = DFlashDrafter.from_pretrained(args.draft or DEFAULT_DRAFT, device=target.device,
+                                                dtype=target.dtype)
+    streamer = Streamer(text, None if args.json else sys.stdout)
+    try:
+        res = generate(target, drafter, prompt_ids, method=args.method, compile=args.compile, on_tokens=streamer,
+                       **settings)
+    except KeyboardInterrupt:
+        # What was committed stays printed; the summary says where it stopped. 130 = 128 + SIGINT, as shells do.
+        if args.json:
+            print(json.dumps(dict(text=text.decode(streamer.ids), tokens=streamer.ids, interrupted=True)))
+        else:
+            print()
+        print(f"[{args.method}] interrupted after {len(streamer.ids)} tokens", file=sys.stderr)
+        return 130
     if args.show_tree and res.trees:
         tokens, parents, depths, path, length = res.trees[0]
         print(f"\nround 1 tree ({args.method}, {int((parents >= 0).sum())} nodes; ✓ accepted):", file=sys.stderr)
@@ -491,18 +654,32 @@ def run_cli(args) -> int:
         print(json.dumps(dict(text=text.decode(res.tokens), tokens=res.tokens, stats=s)))
     else:
         print()
+        compiled = f" (+{s['compile_seconds']:.1f} s compiling)" if s["compile_seconds"] else ""
         print(f"[{s['method']}] {s['new_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
-              f"{s['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+              f"{s['tokens_per_s']:.1f} tokens/s{compiled}", file=sys.stderr)
     return 0
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         return run_cli(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, TypeError, OSError) as e:
+        if isinstance(e, BrokenPipeError):
+            return closed_pipe()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while loading
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def closed_pipe() -> int:
+    """The reader of stdout went away (`| head`): stop quietly. Output still buffered would fail again when
+    Python flushes at exit, so stdout now points at /dev/null. 141 = 128 + SIGPIPE, as a shell reports it."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
 
 
 if __name__ == "__main__":

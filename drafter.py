@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, default_device, kv_cache_length, load_weights,
-                   parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq)
+from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, kv_cache_length, load_weights,
+                   parse_device, parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq)
 import tree_attn
 
 
@@ -45,6 +45,8 @@ class DFlashConfig:
             raise ValueError(f"{where}: not a DFlash drafter (architectures={archs}, expected DFlashDraftModel)")
         model = Qwen3Config.from_dict(d, where)
         dflash = d.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise ValueError(f"{where}: dflash_config must be a JSON object")
         for key, value in (("block_size", d.get("block_size")), ("num_target_layers", d.get("num_target_layers")),
                            ("dflash_config.mask_token_id", dflash.get("mask_token_id"))):
             if not isinstance(value, int) or isinstance(value, bool):
@@ -53,6 +55,8 @@ class DFlashConfig:
             raise ValueError(f"{where}: block_size must be >= 2, got {d['block_size']}")
         ids = dflash.get("target_layer_ids") or default_target_layer_ids(d["num_target_layers"],
                                                                          model.num_hidden_layers)
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"{where}: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
         return cls(model=model, block_size=d["block_size"], num_target_layers=d["num_target_layers"],
                    target_layer_ids=list(ids), mask_token_id=dflash["mask_token_id"])
 
@@ -149,7 +153,7 @@ class DFlashDrafter(nn.Module):
         path = resolve_checkpoint(path_or_repo, "drafter")
         where = os.path.join(path, "config.json")
         config = DFlashConfig.from_dict(read_json(where), where)
-        device = device or default_device()
+        device = parse_device(device)
         dtype = parse_dtype(dtype, device)
         with torch.device("meta"):
             drafter = cls(config)

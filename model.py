@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch.nn.attention.flex_attention import flex_attention
 
 import tree_attn
@@ -43,15 +43,24 @@ def resolve_checkpoint(path_or_repo: str, what: str = "checkpoint") -> str:
 
 
 def read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """A JSON object from `path`; anything else (invalid JSON, not UTF-8, an array...) is an error naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def parse_dtype(dtype, device) -> torch.dtype:
-    """bf16 on CUDA and fp32 elsewhere unless asked; accepts torch dtypes and their names."""
+    """bf16 on CUDA and fp32 elsewhere unless asked; accepts floating torch dtypes and their names."""
     if dtype is None:
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype {dtype} is not a floating-point type; use float32, bfloat16 or float16")
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -60,8 +69,28 @@ def parse_dtype(dtype, device) -> torch.dtype:
     return names[dtype]
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def parse_device(device) -> torch.device:
+    """CUDA when available, else the CPU, unless asked; a device that cannot hold weights here is an error."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+        if device.type == "meta":
+            raise RuntimeError("the meta device holds no data")
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, TypeError) as e:
+        raise ValueError(f"device {str(device)!r} is not usable here ({str(e).splitlines()[0]})") from None
+    return device
+
+
+def positive(where: str, d: dict, key: str, kind=int, default=None):
+    """d[key] (or `default` when absent) checked to be a positive `kind` (int, or float where ints are fine too)."""
+    value = d.get(key, default)
+    ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    if not ok or not value > 0 or value == float("inf"):
+        raise ValueError(f"{where}: {key} must be a positive {'integer' if kind is int else 'number'}, "
+                         f"got {value!r}")
+    return kind(value)
 
 
 @dataclass
@@ -85,18 +114,32 @@ class Qwen3Config:
                                "num_attention_heads") if k not in d]
         if missing:
             raise ValueError(f"{where}: missing {', '.join(missing)}")
-        heads = d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads") or heads
+        sizes = {k: positive(where, d, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                      "num_hidden_layers", "num_attention_heads")}
+        heads = sizes["num_attention_heads"]
+        kv_heads = positive(where, d, "num_key_value_heads", default=heads) if d.get("num_key_value_heads") else heads
+        if d.get("head_dim") is not None:
+            positive(where, d, "head_dim")
+        elif sizes["hidden_size"] % heads:
+            raise ValueError(f"{where}: no head_dim, and hidden_size={sizes['hidden_size']} is not a multiple of "
+                             f"num_attention_heads={heads}")
+        if "tie_word_embeddings" in d and not isinstance(d["tie_word_embeddings"], bool):
+            raise ValueError(f"{where}: tie_word_embeddings must be true or false, got {d['tie_word_embeddings']!r}")
         if heads % kv_heads:
             raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         rope = d.get("rope_parameters") or {}  # v5
         scaling = d.get("rope_scaling") or {}  # v4
+        if not isinstance(rope, dict) or not isinstance(scaling, dict):
+            raise ValueError(f"{where}: rope_parameters and rope_scaling must be JSON objects")
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
             raise ValueError(f"{where}: rope scaling type {rope_type!r} is not supported (only plain RoPE)")
         theta = rope.get("rope_theta", d.get("rope_theta"))
         if theta is None:
             raise ValueError(f"{where}: no rope_theta (neither rope_theta nor rope_parameters.rope_theta)")
+        theta = positive(where, {"rope_theta": theta}, "rope_theta", float)
+        eps = positive(where, d, "rms_norm_eps", float, default=1e-6)
+        max_positions = positive(where, d, "max_position_embeddings", default=32768)
         if d.get("use_sliding_window"):
             raise ValueError(f"{where}: use_sliding_window=true is not supported")
         if d.get("attention_bias"):
@@ -104,9 +147,8 @@ class Qwen3Config:
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta), max_position_embeddings=d.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=eps, rope_theta=theta,
+            max_position_embeddings=max_positions, tie_word_embeddings=d.get("tie_word_embeddings", False))
 
 
 def check_qwen3_config(d: dict, where: str):
@@ -297,18 +339,20 @@ class Qwen3(nn.Module):
         features [Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers, concatenated."""
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(input_pos, self.inv_freq, x.dtype)
-        features, last = [], len(self.layers) - 1
+        outputs, last = {}, len(self.layers) - 1
         mask = tree_attn.attention_mask(block_mask)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache_pos, mask)
             if i in feature_layers:
                 # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
                 # read the last layer were trained on that: match it (REFERENCE.md §2).
-                features.append(self.norm(x) if i == last else x)
+                outputs[i] = self.norm(x) if i == last else x
         if logits_rows is not None:
             x = x[logits_rows]
         logits = self.lm_head(self.norm(x)).float()
-        return logits, (torch.cat(features, dim=-1) if features else None)
+        # In the listed order, repeats included: the drafter's fc columns follow its target_layer_ids list.
+        features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return logits, features
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, device=None, dtype=None) -> "Qwen3":
@@ -317,7 +361,7 @@ class Qwen3(nn.Module):
         where = os.path.join(path, "config.json")
         check_qwen3_config(raw, where)
         config = Qwen3Config.from_dict(raw, where)
-        device = device or default_device()
+        device = parse_device(device)
         dtype = parse_dtype(dtype, device)
         with torch.device("meta"):
             model = cls(config)
@@ -338,7 +382,10 @@ class Qwen3(nn.Module):
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        shards = [os.path.join(path, s) for s in sorted(set(read_json(index)["weight_map"].values()))]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: no weight_map of tensor names to shard files")
+        shards = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
         for shard in shards:
             if not os.path.isfile(shard):
                 raise ValueError(f"{path}: model.safetensors.index.json lists {os.path.basename(shard)}, which is missing")
@@ -359,19 +406,19 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str, device, dtype, 
     wanted.update((name, b) for name, b in model.named_buffers() if name != "inv_freq")
     loaded = {}
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = key[len(strip_prefix):] if key.startswith(strip_prefix) else key
-                if name in skip or name.endswith("rotary_emb.inv_freq"):
-                    continue
-                if name not in wanted:
-                    raise ValueError(f"{file}: unexpected tensor {key!r} (is this the right kind of checkpoint?)")
-                t = f.get_tensor(key)
-                if tuple(t.shape) != tuple(wanted[name].shape):
-                    raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
-                                     f"{tuple(wanted[name].shape)}")
-                loaded[name] = t.to(device=device, dtype=dtype)
-                del t
+        for key, t in read_tensors(file):
+            name = key[len(strip_prefix):] if key.startswith(strip_prefix) else key
+            if name in skip or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name not in wanted:
+                raise ValueError(f"{file}: unexpected tensor {key!r} (is this the right kind of checkpoint?)")
+            if tuple(t.shape) != tuple(wanted[name].shape):
+                raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
+                                 f"{tuple(wanted[name].shape)}")
+            if not t.is_floating_point():
+                raise ValueError(f"{file}: tensor {key!r} holds {t.dtype}, not floating-point weights")
+            loaded[name] = t.to(device=device, dtype=dtype)
+            del t
     missing = sorted(set(wanted) - set(loaded) - set(skip))
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -381,11 +428,26 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str, device, dtype, 
         raise ValueError(f"{path}: some weights were not loaded")
 
 
+def read_tensors(file: str):
+    """(name, tensor) pairs of one safetensors file, one tensor at a time; a file that is not valid safetensors
+    (truncated, empty, a corrupt header) is an error naming it."""
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+
+
 def eos_ids_of(path: str, config: dict) -> list[int]:
     """End-of-sequence ids: generation_config.json first (Qwen3 lists <|im_end|> and <|endoftext|>), then config."""
     ids = []
     for source in (os.path.join(path, "generation_config.json"), None):
         d = read_json(source) if source and os.path.isfile(source) else (config if source is None else {})
         eos = d.get("eos_token_id")
-        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
+            raise ValueError(f"{source or os.path.join(path, 'config.json')}: eos_token_id must be a token id or a "
+                             f"list of them, got {d.get('eos_token_id')!r}")
+        ids += eos
     return list(dict.fromkeys(ids))

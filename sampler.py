@@ -65,7 +65,7 @@ def warp_logits(logits: Tensor, s: Sampling) -> Tensor:
     if s.greedy:
         best = x.argmax(-1, keepdim=True)
         return torch.full_like(x, NEG).scatter(-1, best, x.gather(-1, best))
-    x = x / s.temperature
+    x = tempered(x, s.temperature)
     V = x.shape[-1]
     if 0 < s.top_k < V:
         # keep everything >= the k-th largest: ties at the threshold stay (same as HF TopKLogitsWarper)
@@ -77,6 +77,18 @@ def warp_logits(logits: Tensor, s: Sampling) -> Tensor:
         probs = x.softmax(-1)  # renormalized over what the earlier filters kept
         x = x.masked_fill(probs < s.min_p * probs.amax(-1, keepdim=True), NEG)
     return x
+
+
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """logits / temperature for any temperature > 0, without overflow: computed as (logits - max) / temperature
+    with the max set to exactly 0, so every entry is <= 0 and the row's best token keeps a finite value. The
+    plain quotient overflows to inf once temperature < ~max|logit| / 3.4e38 in float32 (1e-40 for logits near 1),
+    and softmax then gives NaN everywhere. Shifting a row by a constant leaves softmax, top-k, top-p and min-p
+    unchanged; temperature 1 is returned as is (bit for bit)."""
+    if temperature == 1:
+        return logits
+    top = logits.amax(-1, keepdim=True)
+    return torch.where(logits == top, 0.0, (logits - top) / temperature)
 
 
 def _mass_above(probs: Tensor) -> Tensor:

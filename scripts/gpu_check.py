@@ -98,8 +98,8 @@ def end_to_end(target, drafter, budget, new_tokens=64, prompt_len=128):
     prompt = torch.randint(0, 1000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     for method in ("ar", "ddtree"):
-        runs = [generate(target, drafter, prompt, method=method, budget=budget, max_new_tokens=new_tokens,
-                         compile=True, stop_ids=[]) for _ in range(2)]
+        runs = [generate(target, drafter, prompt, method=method, budget=budget if method == "ddtree" else None,
+                         max_new_tokens=new_tokens, compile=True, stop_ids=[]) for _ in range(2)]
         out[method] = dict(repeatable=runs[0].tokens == runs[1].tokens, tokens=runs[1].tokens,
                            tokens_per_s=runs[1].stats["tokens_per_s"], tau=runs[1].stats["tau"])
     ar, tree = out["ar"]["tokens"], out["ddtree"]["tokens"]

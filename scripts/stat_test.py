@@ -227,7 +227,7 @@ def draw_samples(target, drafter, prompt, n: int, samples: int, seed0: int = 0, 
         counts[seq_index(res.tokens, V)] += 1
         if kw.get("method") != "ar":
             rounds += res.stats["rounds"]
-            drafts += sum(res.stats["accepted"]) - res.stats["rounds"]  # each round also commits its bonus
+            drafts += sum(res.stats["verified"]) - res.stats["rounds"]  # each round also commits its bonus
     seconds = time.perf_counter() - t0
     return counts, dict(rounds=rounds, drafts_per_round=drafts / rounds if rounds else 0.0,
                         samples_per_s=samples / seconds, seconds=seconds)
@@ -268,11 +268,12 @@ def _walk_tree_own_row(parents, tokens, target, max_depth):
 
 def _pick_unwarped(self, logits, noise):
     """Engine.pick with the bug: a round's rows (more than one) are sampled without top-k / top-p / min-p."""
+    ok = torch.isfinite(logits).all()
     if self.sampling.greedy:
-        return logits.argmax(-1)
+        return logits.argmax(-1), ok
     if logits.shape[0] > 1:
-        return sample((logits.float() / self.sampling.temperature).softmax(-1), noise)  # BUG: not warped
-    return sample(warp_probs(logits, self.sampling), noise)
+        return sample((logits.float() / self.sampling.temperature).softmax(-1), noise), ok  # BUG: not warped
+    return sample(warp_probs(logits, self.sampling), noise), ok
 
 
 def _draw_noise_shared(shape, generator, device):
@@ -324,8 +325,8 @@ def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: st
     s = Sampling(**sampling_kw)
     if control == "auto":  # greedy: the check is that every sample is the AR greedy sequence (main)
         control = "none" if s.greedy else auto_control(method, draft_sampling)
-    kw = dict(method=method, budget=budget, draft_sampling=draft_sampling, draft_temperature=draft_temperature,
-              denoise_steps=denoise_steps, **sampling_kw)
+    kw = dict(method=method, budget=budget if method == "ddtree" else None, draft_sampling=draft_sampling,
+              draft_temperature=draft_temperature, denoise_steps=denoise_steps, **sampling_kw)
     out = {"control_name": control}
     with attention(attention_kind):
         probs, margin = exact_law(target, prompt, n, s)

@@ -69,7 +69,7 @@ def test_greedy_dflash_equals_ar(models):
             ar = ar_tokens(target, prompt)
             res = greedy(target, drafter, prompt, method="dflash")
             assert res.tokens == ar, (block, prompt)
-            assert res.stats["new_tokens"] == len(ar) and sum(res.stats["accepted"]) >= len(ar) - 1
+            assert res.stats["new_tokens"] == len(ar) and sum(res.stats["accepted"]) == len(ar) - 1
 
 
 @pytest.mark.parametrize("budget", [1, 2, 7, 64, 512])
@@ -88,7 +88,7 @@ def test_greedy_ddtree_equals_ar(models, budget):
 def test_trees_accept_more_than_the_chain(models):
     target, drafters = models
     tau = {}
-    for method, budget in (("dflash", 512), ("ddtree", 64)):
+    for method, budget in (("dflash", None), ("ddtree", 64)):
         runs = [greedy(target, drafters[5], p, method=method, budget=budget) for p in prompts(3)]
         tau[method] = sum(sum(r.stats["accepted"]) for r in runs) / sum(r.stats["rounds"] for r in runs)
     assert tau["ddtree"] > tau["dflash"] >= 1.0
@@ -126,7 +126,7 @@ def test_show_tree_records_rounds(models):
 def test_compiled_equals_eager_without_recompiles(models):
     target, drafters = models
     cases = list(zip(prompts(3, seed=11), (20, 150, 150)))  # a short warm-up run, then 100+ rounds
-    for method, budget in (("ddtree", 7), ("dflash", 512)):
+    for method, budget in (("ddtree", 7), ("dflash", None)):
         runs = compiled_equals_eager(lambda c, compile: greedy(target, drafters[5], c[0], method=method, budget=budget,
                                                                max_new_tokens=c[1], compile=compile), cases)
         assert sum(r.stats["rounds"] for r in runs) >= 100, [r.stats["rounds"] for r in runs]
@@ -231,14 +231,14 @@ def test_hidden_size_mismatch_is_a_clear_error(tmp_path, files, models):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(method="ddtree", budget=0), "budget"),
     (dict(method="ddtree", budget=-3), "budget"),
-    (dict(method="ddtree", budget=3.5), "budget"),
+    (dict(method="ddtree", budget=3.5), "budget must be an integer"),
     (dict(method="ddtree", budget=5000), "beyond what the cache can hold"),
     (dict(method="ddtree", denoise_steps=0), "denoise_steps"),
     (dict(method="ddtree", draft_temperature=0.0), "draft_temperature"),
 ])
 def test_bad_speculative_input(models, kwargs, message):
     target, drafters = models
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         generate(target, drafters[5], [1, 2], max_new_tokens=4, **kwargs)
 
 

@@ -131,9 +131,8 @@ def test_sampled_output_follows_the_target_law(pair, law, kw, samples, controls)
     assert ddtree.Engine.pick is PICK
 
 
-@pytest.mark.parametrize("kw", [dict(method="dflash"), dict(method="dflash", draft_sampling=True),
-                                dict(method="ddtree", budget=2), dict(method="ddtree", budget=5)],
-                         ids=["dflash", "dflash-draft-sampling", "ddtree-2", "ddtree-5"])
+@pytest.mark.parametrize("kw", [dict(method="dflash"), dict(method="ddtree", budget=2),
+                                dict(method="ddtree", budget=5)], ids=["dflash", "ddtree-2", "ddtree-5"])
 def test_greedy_samples_equal_ar_greedy(pair, kw):
     target, drafter = pair
     with st.attention("dense"):
