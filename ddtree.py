@@ -442,8 +442,8 @@ def check_request(target, drafter, prompt_len, method, budget, max_new_tokens, s
     check_int("denoise_steps", denoise_steps, 1)
     if isinstance(draft_temperature, bool) or not isinstance(draft_temperature, (int, float)):
         raise TypeError(f"draft_temperature must be a number, got {draft_temperature!r}")
-    if not 0 < draft_temperature < float("inf"):
-        raise ValueError(f"draft_temperature must be a positive number, got {draft_temperature!r}")
+    if not 0 < draft_temperature < float("inf") or draft_temperature > 1e300:
+        raise ValueError(f"draft_temperature must be a positive finite number, got {draft_temperature!r}")
     given = dict(budget=budget is not None, draft_temperature=draft_temperature != 1, draft_sampling=draft_sampling,
                  denoise_steps=denoise_steps != 1, show_tree=show_tree, top_k=sampling.top_k != 0,
                  top_p=sampling.top_p != 1, min_p=sampling.min_p != 0)
@@ -552,6 +552,11 @@ def parse_args(argv):
         description="DDTree speculative decoding with a Qwen3 target and a DFlash drafter.",
         epilog="An option that does not apply to the chosen method (e.g. --budget with --method dflash, --top-k "
                "with greedy decoding) is an error, not ignored; --seed is accepted everywhere.")
+
+    def error(message):  # argparse's own errors end as ours do: one `error:` line, exit 2 (not usage + message)
+        raise ValueError(f"{message} (see --help)")
+
+    p.error = error
     p.add_argument("--prompt", required=True)
     p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3 checkpoint: local directory or hub repo id")
     p.add_argument("--draft", default=None, help="DFlash drafter: local directory or hub repo id (dflash, ddtree; "

@@ -31,7 +31,13 @@ class Sampling:
     def __post_init__(self):
         def real(name, v):
             # bool is an int subclass, but `temperature=True` is certainly a mistake
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a real number, got {v!r}")
+            try:
+                object.__setattr__(self, name, float(v))  # an int as large as 2**64 would overflow in the kernels
+            except OverflowError:
+                raise ValueError(f"{name} must be finite, got {v!r}") from None
+            if math.isnan(v):
                 raise ValueError(f"{name} must be a real number, got {v!r}")
 
         real("temperature", self.temperature)

@@ -1,0 +1,584 @@
+"""Bad input and hostile conditions: every mistake is one clear error (a ValueError / TypeError from the API, one
+`error:` line and exit 2 from the CLI), never a traceback or a silently wrong answer; statistics count what was
+emitted; Ctrl-C, closed pipes and a closed stdout end cleanly. The property tests drive generate() and the CLI
+with generated argument values and corrupt checkpoint files at generated offsets."""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+import ddtree
+import model
+from ddtree import generate
+from drafter import DFlashDrafter
+from model import Qwen3
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
+
+VOCAB = 16
+BUNDLED_TARGET = os.path.join(ROOT, "assets", "tiny-target")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reliability")
+    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, eos=(1, 0))
+    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[1])
+    dc = dflash_config(tc, layers=2, block_size=5, target_layer_ids=[0, 2])
+    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=5, std=0.35))
+    return {"root": root, "target": str(root / "target"), "draft": str(root / "draft")}
+
+
+@pytest.fixture(scope="module")
+def pair(files):
+    target = Qwen3.from_pretrained(files["target"], device="cpu")
+    return target, DFlashDrafter.from_pretrained(files["draft"], device="cpu")
+
+
+def greedy_ar(target, prompt, n):
+    return generate(target, None, prompt, method="ar", max_new_tokens=n, stop_ids=[]).tokens
+
+
+# ---- the four bugs ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-46, 5e-324])
+def test_vanishing_temperature_samples_the_argmax(pair, temperature):
+    """logits / 1e-40 overflows float32: the law is the argmax's, never NaN and token 0."""
+    target, drafter = pair
+    prompt = [3, 4, 5]
+    ar = greedy_ar(target, prompt, 12)
+    for method in ("ar", "ddtree", "dflash"):
+        res = generate(target, None if method == "ar" else drafter, prompt, method=method, max_new_tokens=12,
+                       temperature=temperature, seed=1, stop_ids=[])
+        assert res.tokens == ar, method
+
+
+def test_vanishing_draft_temperature_keeps_drafting(pair):
+    """A draft temperature of 1e-40 concentrates the tree on the drafter's argmax path: it still accepts drafts."""
+    target, drafter = pair
+    prompt = [3, 4, 5]
+    base = generate(target, drafter, prompt, method="ddtree", budget=4, max_new_tokens=30, stop_ids=[])
+    sharp = generate(target, drafter, prompt, method="ddtree", budget=4, max_new_tokens=30, stop_ids=[],
+                     draft_temperature=1e-40)
+    assert sharp.tokens == base.tokens == greedy_ar(target, prompt, 30)
+    assert sharp.stats["tau"] > 1.0, sharp.stats
+
+
+def test_non_finite_probabilities_are_an_error(pair, monkeypatch):
+    """Warped probabilities that are NaN (here planted) stop generation with an error instead of a token 0."""
+    target, drafter = pair
+    import ddtree as engine_module
+    monkeypatch.setattr(engine_module, "warp_probs", lambda logits, s: torch.full_like(logits, float("nan")))
+    for method in ("ar", "ddtree"):
+        with pytest.raises(ValueError, match="non-finite"):
+            generate(target, None if method == "ar" else drafter, [3, 4], method=method, max_new_tokens=6,
+                     temperature=0.8, seed=0, stop_ids=[])
+
+
+def with_layer_ids(src, dst, ids, swap_fc_blocks):
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        c = json.load(f)
+    c["dflash_config"]["target_layer_ids"] = ids
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(c, f)
+    if swap_fc_blocks:
+        w = load_file(os.path.join(dst, "model.safetensors"))
+        fc = w["fc.weight"]
+        H = fc.shape[0]
+        w["fc.weight"] = torch.cat([fc[:, H:], fc[:, :H]], dim=1).contiguous()
+        save_file(w, os.path.join(dst, "model.safetensors"))
+    return DFlashDrafter.from_pretrained(dst, device="cpu")
+
+
+def test_target_layer_ids_are_read_in_their_listed_order(pair, files, tmp_path):
+    """ids [2, 0] with fc's column blocks swapped is the same drafter as ids [0, 2]: same tokens, same acceptance;
+    [2, 0] without the swap is a different drafter."""
+    target, drafter = pair
+    swapped = with_layer_ids(files["draft"], str(tmp_path / "swapped"), [2, 0], swap_fc_blocks=True)
+    reordered = with_layer_ids(files["draft"], str(tmp_path / "reordered"), [2, 0], swap_fc_blocks=False)
+    same, different = 0, 0
+    for prompt in ([3, 4, 5], [7, 2, 9, 9, 1], [11] * 6):
+        for method, budget in (("ddtree", 6), ("dflash", None)):
+            a, b, c = (generate(target, d, prompt, method=method, budget=budget, max_new_tokens=30, stop_ids=[])
+                       for d in (drafter, swapped, reordered))
+            assert a.tokens == b.tokens == c.tokens  # lossless whatever the drafter
+            assert a.stats["verified"] == b.stats["verified"]
+            same += 1
+            different += a.stats["verified"] != c.stats["verified"]
+    assert different > 0  # the order is not ignored
+
+
+def test_repeated_target_layer_ids_are_supported(pair, files, tmp_path):
+    target, _ = pair
+    src = str(tmp_path / "src")
+    _, tc = None, json.load(open(os.path.join(files["target"], "config.json")))
+    dc = dflash_config(tc, layers=1, block_size=4, target_layer_ids=[1, 1])
+    save_checkpoint(src, dc, random_dflash_weights(dc, seed=2, std=0.35))
+    drafter = DFlashDrafter.from_pretrained(src, device="cpu")
+    assert drafter.fc.weight.shape[1] == 2 * tc["hidden_size"]
+    res = generate(target, drafter, [3, 4, 5], method="ddtree", budget=5, max_new_tokens=20, stop_ids=[])
+    assert res.tokens == greedy_ar(target, [3, 4, 5], 20)
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_stats_count_only_emitted_tokens(pair, method):
+    target, drafter = pair
+    d = None if method == "ar" else drafter
+    for n in (1, 2, 3, 17):
+        res = generate(target, d, [3, 4, 5], method=method, max_new_tokens=n, stop_ids=[])
+        s = res.stats
+        assert len(res.tokens) == s["new_tokens"] == n
+        assert sum(s["accepted"]) == n - 1 and len(s["accepted"]) == len(s["verified"]) == s["rounds"]
+        assert all(1 <= a <= v for a, v in zip(s["accepted"], s["verified"]))
+        assert s["tau"] == (sum(s["accepted"]) / s["rounds"] if s["rounds"] else 0.0)
+    full = generate(target, d, [3, 4, 5], method=method, max_new_tokens=40, stop_ids=[]).tokens
+    stop = full[9]
+    res = generate(target, d, [3, 4, 5], method=method, max_new_tokens=40, stop_ids=[stop])
+    assert res.tokens[-1] == stop and sum(res.stats["accepted"]) == len(res.tokens) - 1
+
+
+def test_fresh_seed_leaves_torch_global_rng_alone(pair):
+    target, drafter = pair
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    a = generate(target, drafter, [3, 4], method="ddtree", budget=4, max_new_tokens=8, temperature=1.0)
+    assert torch.equal(torch.rand(3), expected)
+    b = generate(target, drafter, [3, 4], method="ddtree", budget=4, max_new_tokens=8, temperature=1.0,
+                 seed=a.stats["seed"])
+    assert b.tokens == a.tokens  # the drawn seed is reported and reproduces the run
+
+
+# ---- the Python API's argument checks --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(prompt_ids=[1.0, 2.0]), TypeError, "list of int token ids"),
+    (dict(prompt_ids=[[1, 2], [3]]), TypeError, "list of int token ids"),
+    (dict(prompt_ids="hello"), TypeError, "not text"),
+    (dict(prompt_ids=torch.tensor([1.0, 2.0])), TypeError, "1-D integer tensor"),
+    (dict(prompt_ids=torch.tensor([[1, 2]])), TypeError, "1-D integer tensor"),
+    (dict(prompt_ids=[True, 2]), TypeError, "list of int token ids"),
+    (dict(prompt_ids=[2**70]), ValueError, "prompt ids must lie in"),
+    (dict(stop_ids=5), TypeError, "stop_ids must be a list"),
+    (dict(stop_ids=[1.5]), TypeError, "stop_ids must be a list"),
+    (dict(seed=2**63), ValueError, "seed must be in"),
+    (dict(seed=-1), ValueError, "seed must be in"),
+    (dict(compile="yes"), TypeError, "compile must be True or False"),
+    (dict(on_tokens=5), TypeError, "on_tokens"),
+    (dict(max_new_tokens=10**30), ValueError, "max_new_tokens must be in"),
+    (dict(temperature="1"), ValueError, "temperature must be a real number"),
+    (dict(method="ar", budget=8), ValueError, "budget does not apply to method 'ar'"),
+    (dict(method="dflash", budget=8), ValueError, "budget does not apply to method 'dflash'"),
+    (dict(method="ddtree", draft_sampling=True, temperature=1.0), ValueError, "draft_sampling does not apply"),
+    (dict(method="dflash", draft_sampling=True), ValueError, "draft_sampling does not apply"),
+    (dict(method="ar", show_tree=True), ValueError, "show_tree does not apply"),
+    (dict(method="ar", denoise_steps=2), ValueError, "denoise_steps does not apply"),
+    (dict(method="dflash", draft_temperature=0.5), ValueError, "draft_temperature does not apply"),
+    (dict(top_k=5), ValueError, "top_k does not apply .* greedy"),
+    (dict(top_p=0.5, min_p=0.1), ValueError, "top_p, min_p does not apply"),
+])
+def test_bad_api_arguments_say_what_is_expected(pair, kwargs, error, message):
+    target, drafter = pair
+    kwargs = dict(dict(prompt_ids=[1, 2], method="ddtree", max_new_tokens=4), **kwargs)
+    with pytest.raises(error, match=message):
+        generate(target, drafter, **kwargs)
+
+
+def test_integer_tensors_and_tuples_are_prompts(pair):
+    target, _ = pair
+    ref = greedy_ar(target, [3, 4, 5], 5)
+    for prompt in (torch.tensor([3, 4, 5]), torch.tensor([3, 4, 5], dtype=torch.int32), (3, 4, 5)):
+        assert generate(target, None, prompt, method="ar", max_new_tokens=5, stop_ids=[]).tokens == ref
+
+
+# ---- property test: generate() with generated arguments --------------------------------------------------------
+
+
+def junk():
+    return st.sampled_from([None, "3", 2.5, float("nan"), float("inf"), -float("inf"), -1, 0, 2**64, True, [], {},
+                            10**400])
+
+
+VALID = dict(
+    method=st.sampled_from(["ar", "dflash", "ddtree"]),
+    budget=st.one_of(st.none(), st.integers(1, 40)),
+    max_new_tokens=st.integers(1, 12),
+    temperature=st.one_of(st.just(0.0), st.floats(1e-45, 5.0), st.integers(1, 3)),
+    top_k=st.integers(0, 20),
+    top_p=st.floats(0.01, 1.0),
+    min_p=st.floats(0.0, 1.0),
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    stop_ids=st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), max_size=3)),
+    draft_temperature=st.one_of(st.just(1.0), st.floats(1e-40, 10.0)),
+    draft_sampling=st.booleans(),
+    denoise_steps=st.integers(1, 3),
+    show_tree=st.booleans(),
+)
+BAD = dict(method=st.sampled_from(["beam", "", None, 3, "AR"]), max_new_tokens=st.just(10**6),
+           prompt_ids=st.one_of(st.lists(st.integers(-3, 2**64), max_size=4), st.text(max_size=5),
+                                st.lists(st.floats(), min_size=1, max_size=3), st.just([[1, 2]])))
+
+
+@st.composite
+def generate_arguments(draw):
+    """(prompt, kwargs): valid values, settings that do not apply dropped 3 times in 4, and in about half of the
+    examples one argument replaced by a wrong type, a wrong value or a huge number."""
+    prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
+    kwargs = draw(st.fixed_dictionaries({"method": VALID["method"]},
+                                        optional={k: v for k, v in VALID.items() if k != "method"}))
+    if draw(st.integers(0, 3)):
+        greedy = kwargs.get("temperature", 0) == 0
+        kwargs = {k: v for k, v in kwargs.items() if ddtree.applies(k, kwargs.get("method", "ddtree"), greedy)}
+    bad = draw(st.sampled_from([None] * 12 + sorted(VALID) + sorted(BAD)))
+    if bad is not None:
+        value = draw(st.one_of(junk(), BAD[bad]) if bad in BAD else junk())
+        if bad == "prompt_ids":
+            prompt = value
+        else:
+            kwargs[bad] = value
+    return prompt, kwargs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arguments=generate_arguments())
+def test_generate_with_generated_arguments(pair, arguments):
+    """Either a result that keeps every invariant, or a ValueError / TypeError with a message: nothing else."""
+    target, drafter = pair
+    prompt, kwargs = arguments
+    try:
+        res = generate(target, drafter, prompt, **kwargs)
+    except (ValueError, TypeError) as e:
+        assert str(e)
+        event(type(e).__name__)
+        return
+    s = res.stats
+    event(f"generated ({s['method']})")
+    assert 1 <= len(res.tokens) == s["new_tokens"] <= kwargs.get("max_new_tokens", 256)
+    assert all(isinstance(t, int) and 0 <= t < VOCAB for t in res.tokens)
+    assert sum(s["accepted"]) == s["new_tokens"] - 1 and s["rounds"] == len(s["accepted"])
+    stop = set(target.eos_ids if kwargs.get("stop_ids") is None else kwargs["stop_ids"])
+    assert not stop & set(res.tokens[:-1])
+    if (kwargs.get("temperature") or 0) == 0 and s["method"] != "ar":
+        assert res.tokens == generate(target, None, prompt, method="ar", max_new_tokens=s["new_tokens"],
+                                      stop_ids=sorted(stop)).tokens
+
+
+# ---- checkpoint files ------------------------------------------------------------------------------------------
+
+
+def copy_target(files, tmp_path, name="t"):
+    dst = tmp_path / name
+    shutil.copytree(files["target"], dst)
+    return dst
+
+
+def sharded_target(files, tmp_path):
+    """The same target in two shards with an index."""
+    dst = copy_target(files, tmp_path, "sharded")
+    w = load_file(str(dst / "model.safetensors"))
+    os.remove(dst / "model.safetensors")
+    names = sorted(w)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: w[k] for k in keys}, str(dst / shard))
+    index = {"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def edit_config(path, edit):
+    c = json.loads((path / "config.json").read_text())
+    edit(c)
+    (path / "config.json").write_text(json.dumps(c))
+
+
+def edit_tensors(path, edit):
+    w = load_file(str(path / "model.safetensors"))
+    edit(w)
+    save_file(w, str(path / "model.safetensors"))
+
+
+CORRUPTIONS = {
+    "config not JSON": (lambda p: (p / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+    "config an array": (lambda p: (p / "config.json").write_text("[1, 2]"), "expected a JSON object"),
+    "config not UTF-8": (lambda p: (p / "config.json").write_bytes(b"\xff\xfe{}"), "not valid JSON"),
+    "hidden_size a string": (lambda p: edit_config(p, lambda c: c.update(hidden_size="64")),
+                             "hidden_size must be a positive integer"),
+    "negative layers": (lambda p: edit_config(p, lambda c: c.update(num_hidden_layers=-1)), "num_hidden_layers"),
+    "rope_theta a string": (lambda p: edit_config(p, lambda c: c.update(rope_theta="1e6")), "rope_theta"),
+    "rms_norm_eps zero": (lambda p: edit_config(p, lambda c: c.update(rms_norm_eps=0)), "rms_norm_eps"),
+    "tie a string": (lambda p: edit_config(p, lambda c: c.update(tie_word_embeddings="no")), "tie_word_embeddings"),
+    "rope_parameters a list": (lambda p: edit_config(p, lambda c: c.update(rope_parameters=[1])), "rope_parameters"),
+    "eos a string": (lambda p: (p / "generation_config.json").write_text('{"eos_token_id": "x"}'), "eos_token_id"),
+    "empty safetensors": (lambda p: (p / "model.safetensors").write_bytes(b""), "not a readable safetensors file"),
+    "garbage safetensors": (lambda p: (p / "model.safetensors").write_bytes(os.urandom(1000)),
+                            "not a readable safetensors file"),
+    "huge header length": (lambda p: flip(p / "model.safetensors", 7, 0x7F), "not a readable safetensors file"),
+    "int32 weights": (lambda p: edit_tensors(p, lambda w: w.update({k: v.to(torch.int32) for k, v in w.items()})),
+                      "not floating-point"),
+    "wrong shape": (lambda p: edit_tensors(p, lambda w: w.update({"model.norm.weight": torch.ones(3)})), "shape"),
+    "missing tensor": (lambda p: edit_tensors(p, lambda w: w.pop("model.norm.weight")), "lacks"),
+    "no weights": (lambda p: os.remove(p / "model.safetensors"), "no model.safetensors"),
+}
+
+
+def flip(file, offset, value):
+    data = bytearray(file.read_bytes())
+    data[offset] = value
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_corrupt_checkpoints_are_one_clear_error(files, tmp_path, name):
+    corrupt, message = CORRUPTIONS[name]
+    path = copy_target(files, tmp_path)
+    corrupt(path)
+    with pytest.raises(ValueError, match=message):
+        Qwen3.from_pretrained(str(path), device="cpu")
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda p: os.remove(p / "model-00002-of-00002.safetensors"), "which is missing"),
+    (lambda p: (p / "model.safetensors.index.json").write_text('{"metadata": {}}'), "no weight_map"),
+    (lambda p: (p / "model.safetensors.index.json").write_text("{"), "not valid JSON"),
+    (lambda p: (p / "model-00001-of-00002.safetensors").write_bytes(b"\x00" * 8), "not a readable"),
+])
+def test_corrupt_shards_are_one_clear_error(files, tmp_path, corrupt, message):
+    path = sharded_target(files, tmp_path)
+    Qwen3.from_pretrained(str(path), device="cpu")  # intact, it loads
+    corrupt(path)
+    with pytest.raises(ValueError, match=message):
+        Qwen3.from_pretrained(str(path), device="cpu")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_truncated_or_flipped_weights_never_escape_as_another_error(files, tmp_path_factory, data):
+    """Truncation anywhere is an error; a flipped byte is an error or (data bytes, an unused metadata byte) a
+    model that loads: never another exception type."""
+    path = copy_target(files, tmp_path_factory.mktemp("cut"))
+    file = path / "model.safetensors"
+    size = file.stat().st_size
+    header = 8 + int.from_bytes(file.read_bytes()[:8], "little")
+    if data.draw(st.booleans(), label="truncate"):
+        file.write_bytes(file.read_bytes()[:data.draw(st.integers(0, size - 1), label="keep")])
+        with pytest.raises(ValueError, match="not a readable safetensors file|lacks|shape"):
+            Qwen3.from_pretrained(str(path), device="cpu")
+    else:
+        flip(file, data.draw(st.integers(0, header - 1), label="offset"), data.draw(st.integers(0, 255), label="byte"))
+        try:
+            Qwen3.from_pretrained(str(path), device="cpu")
+        except ValueError as e:
+            assert str(e)
+
+
+def test_meta_and_unknown_devices_are_refused(files):
+    for device in ("meta", "nonsense", "cuda:99" if not torch.cuda.is_available() else "meta"):
+        with pytest.raises(ValueError, match="is not usable here"):
+            Qwen3.from_pretrained(files["target"], device=device)
+    with pytest.raises(ValueError, match="not a floating-point type"):
+        Qwen3.from_pretrained(files["target"], device="cpu", dtype=torch.int32)
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+
+def cli(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = ddtree.main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_error_line(code, err, message):
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "dflash", "--budget", "4"], "--budget does not apply to method 'dflash'"),
+    (["--method", "ar", "--budget", "4"], "--budget does not apply to method 'ar'"),
+    (["--method", "ar", "--show-tree"], "--show-tree does not apply"),
+    (["--method", "ar", "--draft", "x"], "--draft does not apply"),
+    (["--method", "ar", "--denoise-steps", "2"], "--denoise-steps does not apply"),
+    (["--draft-sampling", "--temperature", "1"], "--draft-sampling does not apply to method 'ddtree'"),
+    (["--method", "dflash", "--draft-sampling"], "--draft-sampling does not apply to method 'dflash' with greedy"),
+    (["--method", "dflash", "--draft-temperature", "2"], "--draft-temperature does not apply"),
+    (["--top-k", "4"], "--top-k does not apply"),
+    (["--top-p", "0.5"], "--top-p does not apply"),
+    (["--min-p", "0.5"], "--min-p does not apply"),
+    (["--seed", str(2**64)], "seed must be in"),
+    (["--seed", "x"], "--seed must be an integer"),
+    (["--temperature", "warm"], "--temperature must be a number"),
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "inf"], "temperature"),
+    (["--device", "meta"], "is not usable here"),
+    (["--prompt", "\udcff\udcfe"], "not valid UTF-8"),
+])
+def test_cli_refuses_what_does_not_apply_and_bad_values(args, message):
+    base = ["--prompt", "def f(x):", "--max-new-tokens", "4", "--no-chat"]
+    assert_one_error_line(*cli(*base, *args)[::2], message)
+
+
+def test_cli_tiny_temperature_is_not_token_zero():
+    code, out, err = cli("--prompt", "def f(x):", "--max-new-tokens", "6", "--no-chat", "--json", "--method", "ar",
+                         "--temperature", "1e-40")
+    greedy = cli("--prompt", "def f(x):", "--max-new-tokens", "6", "--no-chat", "--json", "--method", "ar")[1]
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == json.loads(greedy)["tokens"]
+
+
+@pytest.fixture
+def text_copy(tmp_path):
+    dst = tmp_path / "target"
+    shutil.copytree(BUNDLED_TARGET, dst)
+    return dst
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda p: (p / "tokenizer.json").write_text("{garbage"), "not a readable tokenizer"),
+    (lambda p: (p / "tokenizer_config.json").write_text('{"chat_template": "{% if %}"}'),
+     "the chat template failed to render"),
+    (lambda p: (p / "tokenizer_config.json").write_text('{"chat_template": "{{ messages[3].content.x.y }}"}'),
+     "the chat template failed to render"),
+    (lambda p: (p / "tokenizer_config.json").write_text('{"chat_template": 7}'), "chat_template must be a string"),
+    (lambda p: (p / "tokenizer_config.json").write_text("[]"), "expected a JSON object"),
+])
+def test_cli_broken_tokenizer_or_template_is_one_line(text_copy, corrupt, message):
+    corrupt(text_copy)
+    args = ["--target", str(text_copy), "--method", "ar", "--prompt", "hi", "--max-new-tokens", "4"]
+    assert_one_error_line(*cli(*args)[::2], message)
+
+
+@pytest.mark.parametrize("name", ["config not JSON", "hidden_size a string", "garbage safetensors", "int32 weights"])
+def test_cli_corrupt_checkpoint_is_one_line(files, tmp_path, name):
+    corrupt, message = CORRUPTIONS[name]
+    path = copy_target(files, tmp_path)
+    corrupt(path)
+    assert_one_error_line(*cli("--target", str(path), "--method", "ar", "--prompt", "hi")[::2], message)
+
+
+def test_cli_reports_compile_time_apart():
+    code, out, err = cli("--prompt", "def f(x):", "--method", "ar", "--max-new-tokens", "40", "--no-chat", "--json",
+                         "--compile")
+    assert code == 0, err
+    s = json.loads(out)["stats"]
+    assert s["compile_seconds"] > 0 and s["seconds"] > 0
+    assert s["tokens_per_s"] == pytest.approx(s["new_tokens"] / s["seconds"])
+
+
+CLI_VALID = {
+    "--method": st.sampled_from(["ar", "dflash", "ddtree"]),
+    "--budget": st.sampled_from(["1", "7", "30"]),
+    "--max-new-tokens": st.sampled_from(["1", "5"]),
+    "--temperature": st.sampled_from(["0", "0.7", "1e-40", "2"]),
+    "--top-k": st.sampled_from(["0", "3"]),
+    "--top-p": st.sampled_from(["1", "0.5"]),
+    "--min-p": st.sampled_from(["0", "0.2"]),
+    "--seed": st.sampled_from(["0", "7", str(2**63 - 1)]),
+    "--draft-temperature": st.sampled_from(["1", "0.5"]),
+    "--denoise-steps": st.sampled_from(["1", "2"]),
+    "--dtype": st.sampled_from(["float32", "bf16"]),
+}
+CLI_BAD = ["beam", "0", "-2", "1.5", "x", "", "99999999999999999999", "3000", "-1", "nan", "inf", str(2**63), "int8",
+           "-:"]
+CLI_FLAGS = ["--draft-sampling", "--show-tree", "--json", "--no-chat", "--chat"]
+
+
+@st.composite
+def cli_arguments(draw):
+    options = draw(st.fixed_dictionaries({}, optional=CLI_VALID))
+    flags = draw(st.lists(st.sampled_from(CLI_FLAGS), unique=True))
+    if draw(st.integers(0, 3)):
+        method, greedy = options.get("--method", "ddtree"), options.get("--temperature", "0") == "0"
+        options = {k: v for k, v in options.items() if ddtree.applies(k[2:].replace("-", "_"), method, greedy)}
+        flags = [f for f in flags if ddtree.applies(f[2:].replace("-", "_"), method, greedy)]
+    bad = draw(st.sampled_from([None] * 6 + sorted(CLI_VALID)))
+    if bad is not None:
+        options[bad] = draw(st.sampled_from(CLI_BAD))
+    prompt = draw(st.one_of(st.sampled_from(["def f(x):", "x = 1"]), st.text(max_size=12),
+                            st.sampled_from([" ", "\x00", "\udcff", ""])))
+    return ["--prompt", prompt] + [x for k, v in options.items() for x in (k, v)] + flags
+
+
+@settings(max_examples=60, deadline=None)
+@given(args=cli_arguments())
+def test_cli_with_generated_arguments(args):
+    """Exit 0 with output, or exit 2 with exactly one `error:` line: never a traceback."""
+    if "--max-new-tokens" not in args:
+        args = args + ["--max-new-tokens", "4"]
+    code, out, err = cli(*args)
+    event(f"exit {code}")
+    if code == 2:
+        assert err.startswith("error: ") and err.count("\n") == 1, (args, err)
+    else:
+        assert code == 0, (args, err)
+        if "--json" in args:
+            assert json.loads(out)["stats"]["new_tokens"] >= 1
+
+
+# ---- signals and pipes -----------------------------------------------------------------------------------------
+
+LONG_RUN = [sys.executable, os.path.join(ROOT, "ddtree.py"), "--prompt", "def f(x):", "--method", "ar", "--no-chat",
+            "--max-new-tokens", "1900"]
+
+
+def test_ctrl_c_keeps_the_text_and_exits_130():
+    p = subprocess.Popen(LONG_RUN, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ,
+                         OMP_NUM_THREADS="1"))
+    first = p.stdout.read(1)  # generation has started
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "interrupted after" in err
+    printed = int(err.split("interrupted after ")[1].split()[0])
+    assert first and 0 < printed < 1900 and len(first + out) > 0
+
+
+def test_ctrl_c_in_process_prints_what_was_committed(monkeypatch, capsys):
+    calls = []
+
+    def interrupt_on_third_call(self, ids, original=ddtree.Streamer.__call__):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        original(self, ids)
+
+    monkeypatch.setattr(ddtree.Streamer, "__call__", interrupt_on_third_call)
+    code = ddtree.main(["--prompt", "def f(x):", "--method", "ar", "--no-chat", "--max-new-tokens", "50"])
+    out, err = capsys.readouterr()
+    assert code == 130 and "[ar] interrupted after 2 tokens" in err and "Traceback" not in err
+    assert len(out) > 1  # the two tokens (here whitespace) and the closing newline
+
+
+def test_closed_pipe_exits_quietly():
+    p = subprocess.Popen(LONG_RUN, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ,
+                         OMP_NUM_THREADS="1"))
+    assert len(p.stdout.read(10)) == 10
+    p.stdout.close()  # as `| head -c 10` does
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    assert p.returncode == 141 and err == "", err
+
+
+def test_closed_stdout_is_no_traceback():
+    p = subprocess.run(["bash", "-c", " ".join(f"'{a}'" for a in LONG_RUN[:-1]) + " 8 >&-"], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and "Traceback" not in p.stderr and "[ar] 8 tokens" in p.stderr, p.stderr
