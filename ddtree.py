@@ -1,4 +1,4 @@
-"""DDTree speculative decoding: the engine and the command line.
+"""DDTree speculative decoding: generate(), the engine's round, and the command line.
 
     python ddtree.py --prompt "def fibonacci(n):" --budget 512
 
@@ -9,6 +9,11 @@ Three methods share one decoding loop:
           the whole tree in one forward with an ancestor-only attention mask, and the longest accepted path is
           committed.
 Every method is lossless: greedy output equals plain greedy decoding, sampled output follows the target's law.
+
+Reading order: generate() (the loop) -> Engine.step (one round, its randomness and its one host read) ->
+Engine._round (five stages, each one call into the file that owns it: drafter.py, draft_tree.py + tree_attn.py,
+model.py, sampler.py, tree_attn.py) -> the engine's buffers and compile -> validation -> the command line.
+docs/round.md walks through one round with a picture of its tree and mask.
 """
 
 import argparse
@@ -19,235 +24,33 @@ import reprlib
 import secrets
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree
 from drafter import DFlashDrafter
-from model import Qwen3, read_json
+from model import Qwen3
 from sampler import Sampling, draw_noise, sample, tempered, verify_chain_sampled, walk_tree, warp_probs
+from text import Streamer, Text
 from tree_attn import PrefixMask, causal, compact_kv, round_up
 
-# Eager FlexAttention (the uncompiled path, used on CPU and in tests) warns that it materializes scores: we know.
-warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-
-PREFILL_CHUNK = 128  # prompt rows per target forward; fixed so one compiled graph serves every prompt length
-DEFAULT_BUDGET = 512  # the paper's tree size
-INT64_MAX = 2**63 - 1
 METHODS = ("ddtree", "dflash", "ar")
+DEFAULT_BUDGET = 512  # the paper's tree size
+PREFILL_CHUNK = 128  # prompt rows per target forward; fixed so one compiled graph serves every prompt length
+EAGER_CPU_ATTENTION = "sdpa"  # eager CPU engines: "sdpa" (the mask materialized) or "flex" (eager FlexAttention)
 DEFAULT_TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-target")
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-draft")
+INT64_MAX = 2**63 - 1
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The engine: static buffers, masks and (optionally compiled) steps for one target (+ drafter) and settings
-
-
-class Engine:
-    """Everything that must keep its identity across calls so compiled graphs are reused: the caches (sized once
-    for `max_seq_len`), the masks whose tensors are updated in place, and the step functions."""
-
-    def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, budget: int, sampling: Sampling,
-                 max_seq_len: int, compile: bool, draft_temperature: float = 1.0, draft_sampling: bool = False,
-                 denoise_steps: int = 1):
-        self.target, self.drafter, self.method, self.sampling = target, drafter, method, sampling
-        self.device = target.device
-        self.max_seq_len = max_seq_len
-        self.draft_temperature, self.denoise_steps = draft_temperature, denoise_steps
-        # Sampled drafts need the min(1, p/q) rule; greedy decoding and trees use deterministic candidates.
-        self.draft_sampling = draft_sampling
-        self.compiled, self.warm = compile, not compile
-        target.setup_cache(max_seq_len)
-        self.prefill_mask = PrefixMask(PREFILL_CHUNK, max_seq_len, self.device)
-        self.prefill_mask.allow.copy_(causal(PREFILL_CHUNK))
-        self.decode_mask = PrefixMask(1, max_seq_len, self.device)
-        self.decode_mask.allow.fill_(True)
-        self.feature_layers = ()
-        if drafter is not None:
-            drafter.setup_cache(max_seq_len)
-            self.feature_layers = tuple(drafter.config.target_layer_ids)
-            self.depth = drafter.block_size - 1  # L: draft positions per round
-            self.nodes = budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
-            self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device)
-            self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
-            self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device)
-        self.prefill_step, self.decode_step, self.round = self._prefill_step, self._decode_step, self._round
-        if compile:
-            # One graph per fixed shape (prefill chunk, decode step, round). dynamic=False: a graph that went
-            # dynamic on the query length fails to build on CPU (REFERENCE.md §5). CUDA graphs where available.
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            # Every Engine compiles the same methods, so they share one cache per method: an engine whose tensors
-            # and settings match an earlier one's reuses its graphs (which read the models and masks through
-            # `self` at each call). Room for a few engines (settings, budgets) before dynamo falls back to eager.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.prefill_step, self.decode_step, self.round = (
-                torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
-                for f in (self._prefill_step, self._decode_step, self._round))
-
-    def pick(self, logits, noise):
-        """The target's token at each row of float32 logits [R, V] (argmax when greedy, else a warped sample), and
-        whether the draw was sound: every logit finite and every chosen token of positive, finite probability
-        (no silent token 0 from a NaN distribution)."""
-        ok = torch.isfinite(logits).all()
-        if self.sampling.greedy:
-            return logits.argmax(-1), ok
-        probs = warp_probs(logits, self.sampling)
-        tokens = sample(probs, noise)
-        chosen = probs.gather(-1, tokens[:, None])
-        return tokens, ok & (chosen > 0).all() & torch.isfinite(chosen).all()
-
-    # -- prefill and plain decoding ------------------------------------------------------------------------------
-
-    def _prefill_step(self, tokens, start, last_row, noise):
-        """Run PREFILL_CHUNK prompt rows at positions start.. (rows past the prompt are padding: they write K/V
-        beyond the prompt that nothing reads before it is overwritten). Returns the token after `last_row`."""
-        pos = start + torch.arange(PREFILL_CHUNK, device=tokens.device)
-        mask = self.prefill_mask.set(start)
-        logits, features = self.target(tokens, pos, pos, mask, logits_rows=last_row,
-                                       feature_layers=self.feature_layers)
-        if self.drafter is not None:  # the prompt is the drafter's first context
-            self.drafter.append_context(features, pos, pos)
-        return self.pick(logits, noise)
-
-    def _decode_step(self, token, pos, noise):
-        mask = self.decode_mask.set(pos[0])
-        logits, _ = self.target(token, pos, pos, mask)
-        return self.pick(logits, noise)
-
-    def prefill(self, prompt: torch.Tensor, generator):
-        """Fill the caches with the prompt; returns the first new token (sampled from the last prompt row)."""
-        n = prompt.numel()
-        padded = torch.zeros(round_up(n, PREFILL_CHUNK), dtype=torch.long, device=self.device)
-        padded[:n] = prompt
-        for start in range(0, n, PREFILL_CHUNK):
-            last = torch.tensor([min(n - 1 - start, PREFILL_CHUNK - 1)], device=self.device)
-            token, finite = self.prefill_step(padded[start:start + PREFILL_CHUNK],
-                                              torch.tensor(start, device=self.device), last, self.noise(1, generator))
-        return token, finite
-
-    # -- one speculative round: draft -> tree -> verify -> accept -> commit --------------------------------------
-
-    def _round(self, bonus, start, noise, accept_u, draft_noise):
-        """bonus: [1] the last token the target chose, not yet in its cache; start: 0-d, its position (= the
-        committed length). Returns the committed rows' tokens [L + 1] (valid up to `length`), length, the next
-        bonus, whether the target's logits and draws were sound (Engine.pick), and the tree (for --show-tree)."""
-        # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [L, V].
-        draft_logits = self.draft(bonus, start)
-        # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
-        tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
-        mask = self.tree_mask(start, parents)
-        # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors.
-        rows, pos, logits, features = self.verify(bonus, tokens, depths, start, mask)
-        # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
-        path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u)
-        # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
-        self.commit(start, path, pos, features)
-        return rows[path], length, next_token, ok, (tokens, parents, depths, path)
-
-    def draft(self, bonus, start):
-        return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.denoise_steps)
-
-    def tree_mask(self, start, parents):
-        return self.verify_mask.set(start, ancestor_matrix(parents, self.depth, dtype=torch.uint8))
-
-    def verify(self, bonus, tokens, depths, start, mask):
-        rows = torch.cat([bonus.view(1), tokens])
-        pos = start + torch.cat([depths.new_zeros(1), depths])
-        slots = start + torch.arange(self.nodes + 1, device=rows.device)
-        logits, features = self.target(rows, pos, slots, mask, feature_layers=self.feature_layers)
-        return rows, pos, logits, features
-
-    def accept(self, logits, tokens, parents, q, noise, accept_u):
-        """(path [L + 1] of accepted rows from the root, length, next bonus, sound), by the rule that keeps the
-        target's law: sampled chain drafts by min(1, p/q) with the residual, deterministic drafts by the target's
-        own choices (argmax or a warped sample at every row) walked down the tree."""
-        if self.draft_sampling:
-            p = warp_probs(logits, self.sampling)
-            accepted, next_token = verify_chain_sampled(p, q, tokens, accept_u, noise)
-            ok = torch.isfinite(logits).all() & torch.isfinite(p).all() & torch.isfinite(q).all()
-            return torch.arange(self.depth + 1, device=logits.device), accepted + 1, next_token, ok
-        choices, ok = self.pick(logits, noise)
-        return (*walk_tree(parents, tokens, choices, self.depth), ok)
-
-    def commit(self, start, path, pos, features):
-        compact_kv(self.target.kv_caches(), start, path)
-        self.extend_context(start, features[path], pos[path])
-
-    def extend_context(self, start, features, positions):
-        """The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
-        computes it inside the drafter pass), in the slots after `start`."""
-        slots = start + torch.arange(self.depth + 1, device=features.device)
-        self.drafter.append_context(features, positions, slots)
-
-    def propose(self, draft_logits, draft_noise):
-        """(tokens, parents, depths, q): the nodes in parent-first order; q the warped draft law when the chain's
-        drafts are sampled (for the min(1, p/q) rule), else None."""
-        L = self.depth
-        if self.method == "ddtree":
-            logq = torch.log_softmax(tempered(draft_logits, self.draft_temperature), dim=-1)
-            # Compiled: fixed-shape tensor ops. Eager: the paper's heap, the readable reference, which is also
-            # faster outside a graph (0.3 vs 1.0 ms on the bundled pair at B=64). Both give the same tree.
-            build = build_tree if torch.compiler.is_compiling() else build_tree_heap
-            return (*build(logq, self.nodes), None)
-        chain_parents = torch.arange(L, device=draft_logits.device)  # node i hangs under row i
-        depths = chain_parents + 1
-        if self.draft_sampling:
-            q = warp_probs(draft_logits, self.sampling)
-            return sample(q, draft_noise), chain_parents, depths, q
-        return draft_logits.argmax(-1), chain_parents, depths, None
-
-    def noise(self, rows: int, generator):
-        if self.sampling.greedy:
-            return None
-        return draw_noise((rows, self.target.config.vocab_size), generator, self.device)
-
-    def round_randomness(self, generator):
-        """The round's noise, drawn outside the compiled graph from the seeded generator."""
-        if self.sampling.greedy:
-            return None, None, None
-        noise = self.noise(self.nodes + 1, generator)
-        if not self.draft_sampling:
-            return noise, None, None
-        accept_u = torch.rand(self.depth, generator=generator, device=self.device)
-        return noise, accept_u, self.noise(self.depth, generator)
-
-
-    def warm_up(self) -> float:
-        """Compile a new compiled engine's steps by running each once on a one-token dummy prompt; returns the
-        seconds it took (0 when there is nothing to compile), so that a run's tokens/s counts generation alone.
-        The dummy's K/V lie in slots that the real prefill overwrites or that no mask lets a row see."""
-        if self.warm:
-            return 0.0
-        t0 = time.perf_counter()
-        generator = torch.Generator(device=self.device).manual_seed(0)
-        token, _ = self.prefill(torch.zeros(1, dtype=torch.long, device=self.device), generator)
-        start = torch.tensor(1, device=self.device)
-        if self.drafter is None:
-            self.decode_step(token.clone().view(1), start.view(1), self.noise(1, generator))
-        else:
-            self.round(token.clone().view(1), start, *self.round_randomness(generator))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.warm = True
-        return time.perf_counter() - t0
-
-
-_ENGINES: dict = {}
-
-
-def get_engine(target, drafter, method, budget, sampling, max_seq_len, compile, **options) -> Engine:
-    """Engines are cached per (models, settings) so repeated generate() calls reuse caches and compiled graphs."""
-    key = (id(target), id(drafter), method, budget, sampling, max_seq_len, compile, tuple(sorted(options.items())))
-    if key not in _ENGINES:
-        _ENGINES.clear()  # one live engine at a time: caches can be large
-        _ENGINES[key] = Engine(target, drafter, method, budget, sampling, max_seq_len, compile, **options)
-    return _ENGINES[key]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# generate()
+@dataclass(frozen=True)
+class Speculation:
+    """How a speculative round drafts (dflash, ddtree); hashable, so it keys the engine cache with Sampling."""
+    budget: int | None = None  # ddtree: tree nodes per round (None for the chain, which has block_size - 1)
+    draft_temperature: float = 1.0  # ddtree: the drafter's temperature when building trees (1, as in the paper)
+    draft_sampling: bool = False  # dflash with sampling: sample the chain, verify with min(1, p/q)
+    denoise_steps: int = 1  # drafter passes per round
 
 
 @dataclass
@@ -257,10 +60,8 @@ class Result:
     trees: list = field(default_factory=list)  # with show_tree: (tokens, parents, depths, path, length) per round
 
 
-def cache_length(prompt_len: int, max_new_tokens: int, extra: int) -> int:
-    """Cache slots for a request, bucketed to 1024 so requests of similar size share compiled graphs."""
-    need = round_up(prompt_len, PREFILL_CHUNK) + max_new_tokens + extra + 1
-    return round_up(max(need, 1024), 1024)
+# ----------------------------------------------------------------------------------------------------------------
+# generate(): the decoding loop
 
 
 def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
@@ -282,69 +83,34 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
     before a stop token or the token limit cut them), tau = mean of accepted, seconds and tokens_per_s (the
     generation alone), compile_seconds (warming up a new compiled engine, outside `seconds`), seed.
     """
-    prompt = check_prompt(prompt_ids, target)
-    stop = check_stop_ids(target.eos_ids if stop_ids is None else stop_ids)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    check_request(target, drafter, len(prompt), method, budget, max_new_tokens, sampling, seed, compile, on_tokens,
-                  draft_temperature, draft_sampling, denoise_steps, show_tree)
-    budget = (DEFAULT_BUDGET if budget is None else budget) if method == "ddtree" else None
-    if method == "ar":
-        drafter, extra = None, 0
-    else:
-        extra = (budget if method == "ddtree" else drafter.block_size) + drafter.block_size
-    options = dict(draft_temperature=float(draft_temperature), draft_sampling=draft_sampling,
-                   denoise_steps=denoise_steps)
+    spec = check_speculation(method, sampling, budget, draft_temperature, draft_sampling, denoise_steps, show_tree)
+    prompt, stop = check_request(target, drafter, prompt_ids, stop_ids, method, max_new_tokens, spec, seed,
+                                 compile, on_tokens)
     # A fresh seed from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs.
     seed = secrets.randbits(63) if seed is None else seed
-
     with torch.inference_mode():
-        engine = get_engine(target, drafter, method, budget, sampling,
-                            cache_length(len(prompt), max_new_tokens, extra), compile, **options)
+        engine = get_engine(target, drafter if method != "ar" else None, method, sampling, spec,
+                            cache_length(len(prompt), max_new_tokens, method, spec, drafter), compile, show_tree)
         compile_seconds = engine.warm_up()
-        generator = torch.Generator(device=engine.device)
-        generator.manual_seed(seed)
         t0 = time.perf_counter()
-        token, ok = engine.prefill(torch.tensor(prompt, device=engine.device), generator)
-        if not bool(ok):
-            raise ValueError(NON_FINITE)
         tokens, accepted, verified, trees = [], [], [], []
-        start = torch.tensor(len(prompt), device=engine.device)
-        done = emit(tokens, [token.item()], stop, max_new_tokens, on_tokens)
+        done = emit(tokens, [engine.start(prompt, seed)], stop, max_new_tokens, on_tokens)
         while not done:
-            # Under CUDA graphs the last call's outputs live in the graph's memory pool, which the next replay
-            # overwrites: feed back a copy of the token (gpt-fast does the same), never the output itself.
-            token = token.clone()
-            if method == "ar":
-                token, ok = engine.decode_step(token.view(1), start.view(1), engine.noise(1, generator))
-                value, ok = torch.stack([token.view(-1)[0], ok.long()]).tolist()  # the step's one host sync
-                new, start = [value], start + 1
-            else:
-                rows, length, token, ok, tree = engine.round(token.view(1), start,
-                                                             *engine.round_randomness(generator))
-                # The round's one host sync: the committed rows, how many, the next bonus, and the soundness flag.
-                out = torch.cat([rows, length.view(1), token.view(1), ok.view(1).long()]).tolist()
-                n, ok = out[-3], bool(out[-1])
-                new = out[1:n] + [out[-2]]  # accepted drafts (rows[0] is the old bonus, already out) + next bonus
-                start = start + length
-                if show_tree:
-                    trees.append(tuple(t.clone() for t in tree) + (n,))
-            if not ok:
-                raise ValueError(NON_FINITE)
+            new, tree = engine.step()
             before = len(tokens)
             done = emit(tokens, new, stop, max_new_tokens, on_tokens)
             accepted.append(len(tokens) - before)
             verified.append(len(new))
+            if tree is not None:
+                trees.append(tree)
         seconds = time.perf_counter() - t0
     rounds = len(accepted)
-    stats = dict(method=method, budget=budget, new_tokens=len(tokens), rounds=rounds,
+    stats = dict(method=method, budget=spec.budget, new_tokens=len(tokens), rounds=rounds,
                  tau=(sum(accepted) / rounds if rounds else 0.0), accepted=accepted, verified=verified,
                  seconds=seconds, tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0,
                  compile_seconds=compile_seconds, seed=seed)
     return Result(tokens=tokens, stats=stats, trees=trees)
-
-
-NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
-              "dtype)")
 
 
 def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> bool:
@@ -360,15 +126,333 @@ def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> 
     return kept[-1] in stop or len(tokens) >= max_new_tokens
 
 
+NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
+              "dtype)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The engine: one round, then the buffers, masks and compiled steps it runs on
+
+
+class Engine:
+    """One (target, drafter, method, settings): static caches sized once for `max_seq_len`, masks whose tensors
+    are updated in place, the step functions (compiled once, then reused by every request whose settings and
+    shapes match), and a request's state between steps: the last token, its position, the generator."""
+
+    # -- a request: start, then one step per round ---------------------------------------------------------------
+
+    def start(self, prompt: list[int], seed: int) -> int:
+        """Prefill the caches with the prompt; returns the first new token (the prefill's one host read)."""
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        token, ok = self.prefill(torch.tensor(prompt, device=self.device))
+        first, ok = torch.stack([token.view(-1)[0], ok.long()]).tolist()
+        if not ok:
+            raise ValueError(NON_FINITE)
+        self.token, self.position = token.view(1), torch.tensor(len(prompt), device=self.device)
+        return first
+
+    def step(self) -> tuple[list[int], tuple | None]:
+        """One round after the last token: the new token ids (accepted drafts, then the target's own next token;
+        for ar just that token) and, with show_tree, the round's tree. Makes the round's one host read."""
+        # Under CUDA graphs a call's outputs live in the graph's memory pool, which the next replay overwrites:
+        # feed back a copy of the token (as gpt-fast does), never the output itself.
+        rows, length, token, ok, tree = self.round(self.token.clone(), self.position, *self.randomness())
+        out = torch.cat([rows, length.view(1), token.view(1), ok.view(1).long()]).tolist()
+        n, new = out[-3], out[1:out[-3]] + [out[-2]]  # rows[0] is the previous token, emitted last step
+        if not out[-1]:
+            raise ValueError(NON_FINITE)
+        self.token, self.position = token.view(1), self.position + length
+        return new, (None if tree is None else tuple(t.clone() for t in tree) + (n,))
+
+    # -- one speculative round: draft -> tree -> verify -> accept -> commit --------------------------------------
+
+    def _round(self, bonus, start, noise, accept_u, draft_noise):
+        """bonus: [1] the last token the target chose, not yet in its cache; start: 0-d, its position (= the
+        committed length). Returns the committed rows' tokens [L + 1] (valid up to `length`), length, the next
+        bonus, whether the target's logits and draws were sound (Engine.pick), and the tree with show_tree."""
+        # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [L, V].
+        draft_logits = self.draft(bonus, start)
+        # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
+        tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
+        mask = self.tree_mask(start, parents)
+        # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors.
+        rows, positions, logits, features = self.verify(bonus, tokens, depths, start, mask)
+        # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
+        path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u)
+        # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
+        self.commit(start, path, positions, features)
+        return rows[path], length, next_token, ok, ((tokens, parents, depths, path) if self.show_tree else None)
+
+    def draft(self, bonus, start):
+        return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.spec.denoise_steps)
+
+    def propose(self, draft_logits, draft_noise):
+        """(tokens, parents, depths, q): the nodes in parent-first order; q the warped draft law when the chain's
+        drafts are sampled (for the min(1, p/q) rule), else None."""
+        if self.method == "ddtree":
+            logq = torch.log_softmax(tempered(draft_logits, self.spec.draft_temperature), dim=-1)
+            return (*self.build_tree(logq, self.nodes), None)
+        chain_parents = torch.arange(self.depth, device=draft_logits.device)  # node i hangs under row i
+        depths = chain_parents + 1
+        if self.spec.draft_sampling:
+            q = warp_probs(draft_logits, self.sampling)
+            return sample(q, draft_noise), chain_parents, depths, q
+        return draft_logits.argmax(-1), chain_parents, depths, None
+
+    def tree_mask(self, start, parents):
+        return self.verify_mask.set(start, ancestor_matrix(parents, self.depth, dtype=torch.uint8))
+
+    def verify(self, bonus, tokens, depths, start, mask):
+        """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row."""
+        rows = torch.cat([bonus.view(1), tokens])
+        positions = start + torch.cat([depths.new_zeros(1), depths])
+        slots = start + torch.arange(self.nodes + 1, device=rows.device)
+        logits, features = self.target(rows, positions, slots, mask, feature_layers=self.feature_layers)
+        return rows, positions, logits, features
+
+    def accept(self, logits, tokens, parents, q, noise, accept_u):
+        """(path [L + 1] of accepted rows from the root, length, next bonus, sound), by the rule that keeps the
+        target's law: sampled chain drafts by min(1, p/q) with the residual, deterministic drafts by the target's
+        own choices (argmax or a warped sample at every row) walked down the tree."""
+        if self.spec.draft_sampling:
+            p = warp_probs(logits, self.sampling)
+            accepted, next_token = verify_chain_sampled(p, q, tokens, accept_u, noise)
+            ok = torch.isfinite(logits).all() & torch.isfinite(p).all() & torch.isfinite(q).all()
+            return torch.arange(self.depth + 1, device=logits.device), accepted + 1, next_token, ok
+        choices, ok = self.pick(logits, noise)
+        return (*walk_tree(parents, tokens, choices, self.depth), ok)
+
+    def commit(self, start, path, positions, features):
+        compact_kv(self.target.kv_caches(), start, path)
+        self.extend_context(start, features[path], positions[path])
+
+    def extend_context(self, start, features, positions):
+        """The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
+        computes it inside the drafter pass), in the slots after `start`."""
+        slots = start + torch.arange(self.depth + 1, device=features.device)
+        self.drafter.append_context(features, positions, slots)
+
+    # -- plain decoding and the prefill -------------------------------------------------------------------------
+
+    def _decode(self, token, start, noise):
+        """ar's round: the target over the last token; returns what _round does (the one committed row, length 1,
+        the next token, soundness, no tree)."""
+        logits, _ = self.target(token, start.view(1), start.view(1), self.decode_mask.set(start))
+        next_token, ok = self.pick(logits, noise)
+        return token, torch.ones_like(start), next_token[0], ok, None
+
+    def prefill(self, prompt: torch.Tensor):
+        """Fill the caches with the prompt in fixed chunks; returns the first new token (from the last prompt row)
+        and whether it was sound."""
+        n = prompt.numel()
+        padded = torch.zeros(round_up(n, PREFILL_CHUNK), dtype=torch.long, device=self.device)
+        padded[:n] = prompt
+        for start in range(0, n, PREFILL_CHUNK):
+            last = torch.tensor([min(n - 1 - start, PREFILL_CHUNK - 1)], device=self.device)
+            token, ok = self.prefill_step(padded[start:start + PREFILL_CHUNK], torch.tensor(start, device=self.device),
+                                          last, self.noise(1))
+        return token, ok
+
+    def _prefill_step(self, tokens, start, last_row, noise):
+        """PREFILL_CHUNK prompt rows at positions start.. (rows past the prompt are padding: their K/V land beyond
+        the prompt, where nothing reads them before they are overwritten). Returns the token after `last_row`."""
+        positions = start + torch.arange(PREFILL_CHUNK, device=tokens.device)
+        logits, features = self.target(tokens, positions, positions, self.prefill_mask.set(start),
+                                       logits_rows=last_row, feature_layers=self.feature_layers)
+        if self.drafter is not None:  # the prompt is the drafter's first context
+            self.drafter.append_context(features, positions, positions)
+        return self.pick(logits, noise)
+
+    def pick(self, logits, noise):
+        """The target's token at each row of float32 logits [R, V] (argmax when greedy, else a warped sample), and
+        whether the draw was sound: every logit finite and every chosen token of positive, finite probability
+        (no silent token 0 from a NaN distribution)."""
+        ok = torch.isfinite(logits).all()
+        if self.sampling.greedy:
+            return logits.argmax(-1), ok
+        probs = warp_probs(logits, self.sampling)
+        tokens = sample(probs, noise)
+        chosen = probs.gather(-1, tokens[:, None])
+        return tokens, ok & (chosen > 0).all() & torch.isfinite(chosen).all()
+
+    # -- randomness: drawn outside the compiled graph from the request's seeded generator -----------------------
+
+    def noise(self, rows: int):
+        if self.sampling.greedy:
+            return None
+        return draw_noise((rows, self.target.config.vocab_size), self.generator, self.device)
+
+    def randomness(self) -> tuple:
+        """The round's random inputs, in a fixed order: Exponential noise per verified row (the target's draws),
+        then, for a sampled chain, the accept uniforms and the drafts' noise."""
+        if self.method == "ar":
+            return (self.noise(1),)
+        if self.sampling.greedy:
+            return None, None, None
+        if not self.spec.draft_sampling:
+            return self.noise(self.nodes + 1), None, None
+        noise = self.noise(self.nodes + 1)
+        accept_u = torch.rand(self.depth, generator=self.generator, device=self.device)
+        return noise, accept_u, self.noise(self.depth)
+
+    # -- construction -------------------------------------------------------------------------------------------
+
+    def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, sampling: Sampling,
+                 spec: Speculation, max_seq_len: int, compile: bool, show_tree: bool = False):
+        self.target, self.drafter, self.method, self.sampling, self.spec = target, drafter, method, sampling, spec
+        self.device, self.max_seq_len, self.show_tree = target.device, max_seq_len, show_tree
+        # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
+        # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
+        #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
+        # - the attention: eager CPU engines materialize the mask for SDPA (eager FlexAttention on the CPU runs a
+        #   vmapped math fallback); compiled and CUDA engines run FlexAttention.
+        self.build_tree = build_tree if compile else build_tree_heap
+        dense = not compile and self.device.type == "cpu" and EAGER_CPU_ATTENTION == "sdpa"
+        target.setup_cache(max_seq_len)
+        self.prefill_mask = PrefixMask(PREFILL_CHUNK, max_seq_len, self.device, dense)
+        self.prefill_mask.allow.copy_(causal(PREFILL_CHUNK))
+        self.decode_mask = PrefixMask(1, max_seq_len, self.device, dense)
+        self.decode_mask.allow.fill_(True)
+        self.feature_layers = ()
+        if drafter is not None:
+            drafter.setup_cache(max_seq_len)
+            self.feature_layers = tuple(drafter.config.target_layer_ids)
+            self.depth = drafter.block_size - 1  # L: draft positions per round
+            self.nodes = spec.budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
+            self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense)
+            self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
+            self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense)
+        self.prefill_step, self.round = self._prefill_step, (self._decode if method == "ar" else self._round)
+        self.warm = not compile
+        if compile:
+            # One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the
+            # query length fails to build on the CPU (docs/compile.md). CUDA graphs where available.
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            # Every Engine compiles the same methods, so they share one cache per method: an engine whose tensors
+            # and settings match an earlier one's reuses its graphs (which read the models and masks through
+            # `self` at each call). Room for a few engines (settings, budgets) before dynamo falls back to eager.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.prefill_step, self.round = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
+                                             for f in (self.prefill_step, self.round))
+
+    def warm_up(self) -> float:
+        """Compile a new compiled engine's steps by running each once on a one-token dummy prompt; returns the
+        seconds it took (0 when there is nothing to compile), so that a run's tokens/s counts generation alone.
+        The dummy's K/V lie in slots that the real prefill overwrites or that no mask lets a row see."""
+        if self.warm:
+            return 0.0
+        t0 = time.perf_counter()
+        self.start([0], seed=0)
+        self.step()
+        self.warm = True
+        return time.perf_counter() - t0
+
+
+_ENGINES: dict = {}
+
+
+def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree) -> Engine:
+    """Engines are cached per (models, settings) so repeated generate() calls reuse caches and compiled graphs."""
+    key = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, show_tree)
+    if key not in _ENGINES:
+        _ENGINES.clear()  # one live engine at a time: caches can be large
+        _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree)
+    return _ENGINES[key]
+
+
+def cache_length(prompt_len: int, max_new_tokens: int, method: str, spec: Speculation, drafter) -> int:
+    """Cache slots for a request: the prompt (in whole prefill chunks), the new tokens, and a round's scratch rows
+    past them (the verified rows and the drafter's block); bucketed to 1024 so similar requests share graphs."""
+    scratch = 0 if method == "ar" else verify_rows(method, spec, drafter) + drafter.block_size
+    need = round_up(prompt_len, PREFILL_CHUNK) + max_new_tokens + scratch + 1
+    return round_up(max(need, 1024), 1024)
+
+
+def verify_rows(method: str, spec: Speculation, drafter) -> int:
+    """Rows of a verify: the bonus and the tree's nodes (ddtree) or the chain's block_size - 1 drafts."""
+    return 1 + (spec.budget if method == "ddtree" else drafter.block_size - 1)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Validation
 #
 # The rule: input is checked once, at the boundary where it enters, and everything past the boundary assumes it
-# is valid. generate() checks its arguments (check_prompt, check_stop_ids, Sampling, check_request); loading
-# checks the checkpoint files (model.py, drafter.py: config values and types, safetensors files, tensor names,
-# shapes and dtypes, the target/drafter fit); the command line checks what only it has (text to numbers, which
-# options apply, the prompt's text) and turns every ValueError / TypeError into one `error:` line, exit 2. The
-# one check left inside the rounds is what no boundary can foresee: non-finite logits or probabilities.
+# is valid. generate() checks its arguments (check_request); loading checks the checkpoint files (model.py,
+# drafter.py: config values and types, safetensors files, tensor names, shapes and dtypes, the target/drafter
+# fit); the command line checks what only it has (text to numbers, which options apply, the prompt's text) and
+# turns every ValueError / TypeError into one `error:` line, exit 2. The one check left inside the rounds is
+# what no boundary can foresee: non-finite logits or probabilities (Engine.pick).
+
+
+def check_speculation(method, sampling, budget, draft_temperature, draft_sampling, denoise_steps, show_tree):
+    """The method and its drafting settings checked, each against the method and the sampling (check_applies);
+    returns them as a Speculation."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    for name, value in (("draft_sampling", draft_sampling), ("show_tree", show_tree)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if budget is not None:
+        check_int("budget", budget, 1)
+    check_int("denoise_steps", denoise_steps, 1)
+    if isinstance(draft_temperature, bool) or not isinstance(draft_temperature, (int, float)):
+        raise TypeError(f"draft_temperature must be a number, got {draft_temperature!r}")
+    if not 0 < draft_temperature < float("inf") or draft_temperature > 1e300:
+        raise ValueError(f"draft_temperature must be a positive finite number, got {draft_temperature!r}")
+    given = dict(budget=budget is not None, draft_temperature=draft_temperature != 1, draft_sampling=draft_sampling,
+                 denoise_steps=denoise_steps != 1, show_tree=show_tree, top_k=sampling.top_k != 0,
+                 top_p=sampling.top_p != 1, min_p=sampling.min_p != 0)
+    check_applies(method, sampling.greedy, [name for name, g in given.items() if g])
+    return Speculation(budget=(DEFAULT_BUDGET if budget is None else budget) if method == "ddtree" else None,
+                       draft_temperature=float(draft_temperature), draft_sampling=draft_sampling,
+                       denoise_steps=denoise_steps)
+
+
+def check_request(target, drafter, prompt_ids, stop_ids, method, max_new_tokens, spec, seed, compile, on_tokens):
+    """The request checked against the models; returns the prompt as a list and the stop ids as a set."""
+    prompt = check_prompt(prompt_ids, target)
+    stop = check_stop_ids(target.eos_ids if stop_ids is None else stop_ids)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    if seed is not None:
+        check_int("seed", seed, 0)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise TypeError(f"on_tokens must be a function of a list of token ids, got {on_tokens!r}")
+    limit = target.config.max_position_embeddings
+    if len(prompt) + max_new_tokens > limit:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"target's max_position_embeddings ({limit})")
+    if method != "ar":
+        if drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        drafter.bind(target)
+        if spec.denoise_steps > drafter.block_size - 1:
+            raise ValueError(f"denoise_steps {spec.denoise_steps} exceeds the drafter's {drafter.block_size - 1} "
+                             f"draft positions (each pass decides at least one)")
+        # A round writes its verified rows after the committed tokens; the cache holds at most
+        # max_position_embeddings slots (rounded up to the attention block).
+        rows = verify_rows(method, spec, drafter)
+        if len(prompt) + max_new_tokens + rows > round_up(limit):
+            raise ValueError(f"budget {spec.budget} is beyond what the cache can hold: prompt ({len(prompt)}) + "
+                             f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
+    return prompt, stop
+
+
+def applies(setting: str, method: str, greedy: bool) -> bool:
+    """Whether a setting can change a run of `method`: the one table behind refusing settings that do not apply."""
+    return {"budget": method == "ddtree", "draft_temperature": method == "ddtree",
+            "draft_sampling": method == "dflash" and not greedy, "draft": method != "ar",
+            "denoise_steps": method != "ar", "show_tree": method != "ar",
+            "top_k": not greedy, "top_p": not greedy, "min_p": not greedy}.get(setting, True)
+
+
+def check_applies(method: str, greedy: bool, given, spell=lambda name: name):
+    """Settings given that would change nothing are refused: a silently ignored setting reads as a wrong one."""
+    unused = [spell(name) for name in given if not applies(name, method, greedy)]
+    if unused:
+        mode = "greedy decoding (temperature 0)" if greedy else "sampling"
+        raise ValueError(f"{', '.join(unused)} does not apply to method {method!r} with {mode}")
 
 
 def is_int(value) -> bool:
@@ -407,140 +491,6 @@ def check_stop_ids(stop_ids) -> set[int]:
             not all(is_int(t) for t in stop_ids):
         raise TypeError(f"stop_ids must be a list of int token ids, got {reprlib.repr(stop_ids)}")
     return {int(t) for t in stop_ids}
-
-
-def applies(setting: str, method: str, greedy: bool) -> bool:
-    """Whether a setting can change a run of `method`: the one table behind refusing settings that do not apply."""
-    return {"budget": method == "ddtree", "draft_temperature": method == "ddtree",
-            "draft_sampling": method == "dflash" and not greedy, "draft": method != "ar",
-            "denoise_steps": method != "ar", "show_tree": method != "ar",
-            "top_k": not greedy, "top_p": not greedy, "min_p": not greedy}.get(setting, True)
-
-
-def check_applies(method: str, greedy: bool, given, spell=lambda name: name):
-    """Settings given that would change nothing are refused: a silently ignored setting reads as a wrong one."""
-    unused = [spell(name) for name in given if not applies(name, method, greedy)]
-    if unused:
-        mode = "greedy decoding (temperature 0)" if greedy else "sampling"
-        raise ValueError(f"{', '.join(unused)} does not apply to method {method!r} with {mode}")
-
-
-def check_request(target, drafter, prompt_len, method, budget, max_new_tokens, sampling, seed, compile, on_tokens,
-                  draft_temperature, draft_sampling, denoise_steps, show_tree):
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    check_int("max_new_tokens", max_new_tokens, 1)
-    if seed is not None:
-        check_int("seed", seed, 0)
-    for name, value in (("compile", compile), ("draft_sampling", draft_sampling), ("show_tree", show_tree)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-    if on_tokens is not None and not callable(on_tokens):
-        raise TypeError(f"on_tokens must be a function of a list of token ids, got {on_tokens!r}")
-    if budget is not None:
-        check_int("budget", budget, 1)
-    check_int("denoise_steps", denoise_steps, 1)
-    if isinstance(draft_temperature, bool) or not isinstance(draft_temperature, (int, float)):
-        raise TypeError(f"draft_temperature must be a number, got {draft_temperature!r}")
-    if not 0 < draft_temperature < float("inf") or draft_temperature > 1e300:
-        raise ValueError(f"draft_temperature must be a positive finite number, got {draft_temperature!r}")
-    given = dict(budget=budget is not None, draft_temperature=draft_temperature != 1, draft_sampling=draft_sampling,
-                 denoise_steps=denoise_steps != 1, show_tree=show_tree, top_k=sampling.top_k != 0,
-                 top_p=sampling.top_p != 1, min_p=sampling.min_p != 0)
-    check_applies(method, sampling.greedy, [name for name, g in given.items() if g])
-    limit = target.config.max_position_embeddings
-    if prompt_len + max_new_tokens > limit:
-        raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"target's max_position_embeddings ({limit})")
-    if method != "ar":
-        if drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter")
-        drafter.bind(target)
-        # The verify writes budget + 1 rows after the committed tokens; the cache holds at most
-        # max_position_embeddings slots (rounded up to the attention block).
-        rows = ((budget or DEFAULT_BUDGET) if method == "ddtree" else drafter.block_size) + 1
-        if prompt_len + max_new_tokens + rows > round_up(limit):
-            raise ValueError(f"budget {budget} is beyond what the cache can hold: prompt ({prompt_len}) + "
-                             f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Text: tokenizer.json through `tokenizers`, chat templates through jinja2 (as transformers renders them)
-
-
-class Text:
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer
-        file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(file):
-            raise ValueError(f"{path}: no tokenizer.json")
-        try:
-            self.tokenizer = Tokenizer.from_file(file)
-        except Exception as e:  # the tokenizers library raises plain Exceptions for every malformed file
-            raise ValueError(f"{file}: not a readable tokenizer ({str(e).splitlines()[0][:200]})") from None
-        config_file = os.path.join(path, "tokenizer_config.json")
-        self.config = read_json(config_file) if os.path.isfile(config_file) else {}
-        template_file = os.path.join(path, "chat_template.jinja")
-        self.chat_template = self.config.get("chat_template")
-        if isinstance(self.chat_template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
-            self.chat_template = named.get("default")
-        if os.path.isfile(template_file):
-            with open(template_file, encoding="utf-8", errors="strict") as f:
-                self.chat_template = f.read()
-        if self.chat_template is not None and not isinstance(self.chat_template, str):
-            raise ValueError(f"{config_file}: chat_template must be a string")
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def special(self, name: str) -> str:
-        value = self.config.get(name)
-        return value.get("content", "") if isinstance(value, dict) else (value or "")
-
-    def render_chat(self, prompt: str) -> str:
-        """The user turn plus the assistant header, as transformers' apply_chat_template(add_generation_prompt=True,
-        enable_thinking=False) renders it (DFlash drafters were trained without thinking)."""
-        from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: \
-            json.dumps(x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, enable_thinking=False,
-                bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
-        except (TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
-            raise ValueError(f"the chat template failed to render ({type(e).__name__}: {e})") from None
-
-
-class Streamer:
-    """Prints text as tokens are committed, holding back an incomplete UTF-8 sequence until it completes."""
-
-    def __init__(self, text: Text, out):
-        """out: a text stream, or None to keep the ids only (--json, or stdout closed)."""
-        self.text, self.out, self.ids, self.printed = text, out, [], 0
-
-    def __call__(self, new_ids):
-        self.ids += new_ids
-        if self.out is None:
-            return
-        s = self.text.decode(self.ids, skip_special_tokens=True)  # e.g. the final <|im_end|>
-        if s.endswith("\ufffd"):
-            return
-        self.out.write(s[self.printed:])
-        self.out.flush()
-        self.printed = len(s)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -651,7 +601,7 @@ def run_cli(args) -> int:
     if args.show_tree and res.trees:
         tokens, parents, depths, path, length = res.trees[0]
         print(f"\nround 1 tree ({args.method}, {int((parents >= 0).sum())} nodes; ✓ accepted):", file=sys.stderr)
-        print(format_tree(tokens, parents, depths, accepted_rows=path[:length], decode=lambda t: repr(text.decode([t])),
+        print(format_tree(tokens, parents, accepted_rows=path[:length], decode=lambda t: repr(text.decode([t])),
                           root=repr(text.decode(res.tokens[:1]))),
               file=sys.stderr)
     s = res.stats

@@ -1,6 +1,6 @@
 """Draft-tree construction: the B most probable prefixes under the drafter's per-position distributions.
 
-DDTree (REFERENCE.md §3, paper §4): one drafter pass gives log-distributions logq[L, V] for the L positions after
+DDTree (paper §4.2-4.3; docs/lossless.md, "the optimal tree"): one drafter pass gives log-distributions logq[L, V] for the L positions after
 the bonus token. Under the factorized draft law Q(y) = prod_i q_i(y_i), a tree's expected acceptance length is
 the sum of its nodes' prefix probabilities (Prop. 1), so the best tree with B nodes is the set of the B most
 probable prefixes (Prop. 2), which is prefix-closed, and only the top-K = min(B, V) tokens of each depth can
@@ -189,7 +189,7 @@ def candidate_pairs(F: int, K: int, limit: int, device):
     rows = min(F, len(cum) - 1)
     first = torch.tensor(cum[:rows], dtype=torch.int64, device=device)  # flat index of each parent's first child
     # parent = how many parents start at or before each flat index, minus one: a cumsum of start marks
-    # (repeat_interleave does the same but lowers to a binary search per entry, 8x slower on the CPU).
+    # (repeat_interleave does the same but lowers to a binary search per entry, slower on the CPU).
     total = cum[rows]
     starts = torch.zeros(total, dtype=torch.int64, device=device).index_fill_(0, first[1:], 1)
     parent = torch.cumsum(starts, 0)
@@ -202,9 +202,9 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None, dtype=t
     The root is an ancestor of every real node; padded nodes (parent -1) see only themselves. Pointer doubling
     with a fixed number of steps: after s steps each row holds its ancestors at distance < 2**s. `max_depth` (the
     tree's depth bound, e.g. L) sets the steps to ceil(log2(max_depth + 1)); default: enough for any tree of B.
-    The doubling runs on bytes whatever `dtype` asks: inductor's CPU code writes bool tensors about 25x slower
+    The doubling runs on bytes whatever `dtype` asks: inductor's CPU code writes bool tensors many times slower
     than bytes (a partial vector store per 16 elements), and the engine takes the uint8 result as it is
-    (tree_attn.PrefixMask): the compiled B=512 matrix costs 0.84 ms instead of 1.64 ms.
+    (tree_attn.PrefixMask).
     """
     B = parents.shape[0]
     rows = torch.arange(B + 1, device=parents.device)
@@ -218,15 +218,14 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None, dtype=t
     return anc.to(dtype)
 
 
-def format_tree(tokens, parents, depths, accepted_rows=None, decode=lambda t: str(t), probs=None, root="<bonus>"):
+def format_tree(tokens, parents, accepted_rows=None, decode=lambda t: str(t), probs=None, root="<bonus>"):
     """A `tree`-style text picture of one round's tree (the CLI's --show-tree).
 
     One line per node: decoded token, then its probability if `probs` ([B], e.g. q of the token at its depth) is
     given, then "✓" if its row is in `accepted_rows` (rows of the accepted path; the root is row 0) and "·" if
     not (marks only when accepted_rows is given). Children appear in rank order (= row order). Padding is skipped.
-    `depths` is implied by the parents (indentation); it is taken for the engine's (tokens, parents, depths) triple.
     """
-    tokens, parents, depths = (torch.as_tensor(t).tolist() for t in (tokens, parents, depths))
+    tokens, parents = (torch.as_tensor(t).tolist() for t in (tokens, parents))
     probs = None if probs is None else torch.as_tensor(probs).tolist()
     accepted = None if accepted_rows is None else set(torch.as_tensor(accepted_rows).reshape(-1).tolist())
     children = {}

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, kv_cache_length, load_weights,
+from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, load_weights,
                    parse_device, parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq)
-import tree_attn
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -92,10 +91,6 @@ class DFlashDrafter(nn.Module):
         self.target_parts = (target.embed_tokens, target.lm_head)
         return self
 
-    @property
-    def cache_len(self) -> int:
-        return kv_cache_length(self.layers)
-
     def setup_cache(self, length: int):
         allocate_kv_caches(self.layers, length, self.dtype, self.device)
 
@@ -113,9 +108,8 @@ class DFlashDrafter(nn.Module):
         embed, lm_head = self.target_parts
         x = embed(block_tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        mask = tree_attn.attention_mask(block_mask)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache_pos, mask)
+            x = layer(x, cos, sin, cache_pos, block_mask)
         return lm_head(self.norm(x)).float()
 
     def draft(self, bonus, start, block_mask, denoise_steps: int = 1):

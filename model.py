@@ -1,9 +1,10 @@
 """Qwen3 dense target model: Hugging Face checkpoints loaded through safetensors into our own modules.
 
 The forward takes token ids, their RoPE positions and the cache slots their K/V go to (they differ in a tree
-verify: a node at depth d sits at position start + d but in slot start + row), attends through FlexAttention
-with a mask from tree_attn.py, and returns float32 logits for the requested rows plus, on request, the outputs
-of chosen layers (the drafter's context features). Batch size 1; the K/V cache is static, one buffer per layer.
+verify: a node at depth d sits at position start + d but in slot start + row), attends with the mask from
+tree_attn.py (FlexAttention, or SDPA when the mask comes materialized), and returns float32 logits for the
+requested rows plus, on request, the outputs of chosen layers (the drafter's context features). Batch size 1; the
+K/V cache is static, one buffer per layer. Config and modules come first, then loading (files, hub, weights).
 """
 
 import json
@@ -16,81 +17,9 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.nn.attention.flex_attention import flex_attention
 
-import tree_attn
-
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
-
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoint discovery and config
-
-
-def resolve_checkpoint(path_or_repo: str, what: str = "checkpoint") -> str:
-    """A local directory, or a Hugging Face repo id fetched (config, weights, tokenizer only) into the cache."""
-    if os.path.isdir(path_or_repo):
-        if not os.path.isfile(os.path.join(path_or_repo, "config.json")):
-            raise ValueError(f"{what} directory {path_or_repo!r} has no config.json")
-        return path_or_repo
-    looks_like_repo = path_or_repo.count("/") == 1 and not path_or_repo.startswith((".", "/", "~"))
-    if not looks_like_repo:
-        raise ValueError(f"{what} {path_or_repo!r}: no such directory (and not a Hugging Face repo id 'org/name')")
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(path_or_repo, allow_patterns=HUB_FILES)
-    except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user
-        raise ValueError(f"{what} {path_or_repo!r}: not a local directory and could not be fetched from the "
-                         f"Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-
-
-def read_json(path: str) -> dict:
-    """A JSON object from `path`; anything else (invalid JSON, not UTF-8, an array...) is an error naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def parse_dtype(dtype, device) -> torch.dtype:
-    """bf16 on CUDA and fp32 elsewhere unless asked; accepts floating torch dtypes and their names."""
-    if dtype is None:
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype {dtype} is not a floating-point type; use float32, bfloat16 or float16")
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
-    return names[dtype]
-
-
-def parse_device(device) -> torch.device:
-    """CUDA when available, else the CPU, unless asked; a device that cannot hold weights here is an error."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-        if device.type == "meta":
-            raise RuntimeError("the meta device holds no data")
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError, TypeError) as e:
-        raise ValueError(f"device {str(device)!r} is not usable here ({str(e).splitlines()[0]})") from None
-    return device
-
-
-def positive(where: str, d: dict, key: str, kind=int, default=None):
-    """d[key] (or `default` when absent) checked to be a positive `kind` (int, or float where ints are fine too)."""
-    value = d.get(key, default)
-    ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
-    if not ok or not value > 0 or value == float("inf"):
-        raise ValueError(f"{where}: {key} must be a positive {'integer' if kind is int else 'number'}, "
-                         f"got {value!r}")
-    return kind(value)
+# Config
 
 
 @dataclass
@@ -151,10 +80,14 @@ class Qwen3Config:
             max_position_embeddings=max_positions, tie_word_embeddings=d.get("tie_word_embeddings", False))
 
 
-def check_qwen3_config(d: dict, where: str):
-    model_type, archs = d.get("model_type"), d.get("architectures") or []
-    if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
-        raise ValueError(f"{where}: not a Qwen3 checkpoint (model_type={model_type!r}, architectures={archs})")
+def positive(where: str, d: dict, key: str, kind=int, default=None):
+    """d[key] (or `default` when absent) checked to be a positive `kind` (int, or float where ints are fine too)."""
+    value = d.get(key, default)
+    ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    if not ok or not value > 0 or value == float("inf"):
+        raise ValueError(f"{where}: {key} must be a positive {'integer' if kind is int else 'number'}, "
+                         f"got {value!r}")
+    return kind(value)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -191,20 +124,23 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
+# The CPU one-row switch (docs/compile.md, "one-row Linear on CPU"). Decoding one token only streams the weights,
+# and MKL's matrix-vector path streams them well below memory bandwidth, while a multiply-and-sum that inductor
+# fuses into one vectorized reduction reaches it (scripts/bench_ar.py measures both; the README quotes them). So
+# compiled code on the CPU computes a single row that way. Several rows stay on the matmul (inside a full layer
+# inductor turns the multi-row form into loops slower than MKL), CUDA keeps cuBLAS, and eager code keeps F.linear
+# (eager would materialize the product). False: plain F.linear everywhere.
+CPU_ONE_ROW_REDUCTION = True
+
+
 class Linear(nn.Linear):
-    """nn.Linear without bias, and one exception for speed: a single row on the CPU under torch.compile is
-    computed as a multiply-and-sum that inductor fuses into one vectorized reduction over the weight.
-    Decoding one token is nothing but streaming the weights, and MKL's matrix-vector path streams them at about
-    8 GB/s on our 2-core CI machine where the fused reduction reaches about 39 GB/s (an 8 MB weight: 1030 us
-    vs 235 us; scripts/bench_ar.py shows the whole effect). Several rows stay on the matmul: inside a full
-    layer, inductor fuses the multi-row form into loops that ran 4x slower than MKL. CUDA keeps cuBLAS, and
-    eager mode keeps F.linear (eager would materialize the product)."""
+    """nn.Linear without bias; one row under torch.compile on the CPU as a fused reduction (see the switch)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x):
-        if x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+        if CPU_ONE_ROW_REDUCTION and x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
             return (x[:, None, :] * self.weight[None]).sum(-1)
         return F.linear(x, self.weight)
 
@@ -241,7 +177,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         self.write_kv(x, cos, sin, cache_pos)
         scale, gqa = self.head_dim ** -0.5, self.heads != self.kv_heads
-        if isinstance(mask, torch.Tensor):  # dense, over the KV slots it covers (tree_attn.attention_mask)
+        if isinstance(mask, torch.Tensor):  # dense, over the KV slots it covers (tree_attn.PrefixMask, dense=True)
             n = mask.shape[1]
             out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :n], self.v_cache[:, :, :n], attn_mask=mask,
                                                  scale=scale, enable_gqa=gqa)
@@ -278,9 +214,9 @@ class Block(nn.Module):
 
 
 def allocate_kv_caches(layers, length: int, dtype, device):
-    """One K and one V buffer per layer ([1, kv_heads, length, head_dim]; one buffer per layer, since views of a
-    stacked buffer gave wrong results through compiled FlexAttention, REFERENCE.md §5). Buffers that already have
-    that shape, dtype and device are kept (compiled graphs and CUDA graphs hold on to them)."""
+    """One K and one V buffer per layer ([1, kv_heads, length, head_dim]), never views of one stacked buffer:
+    compiled FlexAttention reads such views wrongly (docs/compile.md, "stacked KV buffer views"). Buffers that
+    already have that shape, dtype and device are kept (compiled graphs and CUDA graphs hold on to them)."""
     with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
         for layer in layers:
             attn = layer.self_attn
@@ -290,12 +226,6 @@ def allocate_kv_caches(layers, length: int, dtype, device):
                 continue
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-
-
-def kv_cache_length(layers) -> int:
-    """Slots in the layers' K/V buffers (0 before the first allocate_kv_caches)."""
-    k = layers[0].self_attn.k_cache
-    return 0 if k is None else k.shape[2]
 
 
 class Qwen3(nn.Module):
@@ -321,10 +251,6 @@ class Qwen3(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    @property
-    def cache_len(self) -> int:
-        return kv_cache_length(self.layers)
-
     def setup_cache(self, length: int):
         """Allocate (or reuse) one K and one V buffer per layer for `length` slots (a multiple of 128)."""
         allocate_kv_caches(self.layers, length, self.dtype, self.device)
@@ -340,12 +266,11 @@ class Qwen3(nn.Module):
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(input_pos, self.inv_freq, x.dtype)
         outputs, last = {}, len(self.layers) - 1
-        mask = tree_attn.attention_mask(block_mask)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache_pos, mask)
+            x = layer(x, cos, sin, cache_pos, block_mask)
             if i in feature_layers:
                 # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
-                # read the last layer were trained on that: match it (REFERENCE.md §2).
+                # read the last layer were trained on that: match it (docs/checkpoints.md, "context features").
                 outputs[i] = self.norm(x) if i == last else x
         if logits_rows is not None:
             x = x[logits_rows]
@@ -376,7 +301,74 @@ class Qwen3(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Weights
+# Loading: checkpoint files (local or from the hub), config checks, weights
+
+
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
+
+
+def resolve_checkpoint(path_or_repo: str, what: str = "checkpoint") -> str:
+    """A local directory, or a Hugging Face repo id fetched (config, weights, tokenizer only) into the cache."""
+    if os.path.isdir(path_or_repo):
+        if not os.path.isfile(os.path.join(path_or_repo, "config.json")):
+            raise ValueError(f"{what} directory {path_or_repo!r} has no config.json")
+        return path_or_repo
+    looks_like_repo = path_or_repo.count("/") == 1 and not path_or_repo.startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise ValueError(f"{what} {path_or_repo!r}: no such directory (and not a Hugging Face repo id 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path_or_repo, allow_patterns=HUB_FILES)
+    except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user
+        raise ValueError(f"{what} {path_or_repo!r}: not a local directory and could not be fetched from the "
+                         f"Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def read_json(path: str) -> dict:
+    """A JSON object from `path`; anything else (invalid JSON, not UTF-8, an array...) is an error naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def parse_dtype(dtype, device) -> torch.dtype:
+    """bf16 on CUDA and fp32 elsewhere unless asked; accepts floating torch dtypes and their names."""
+    if dtype is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype {dtype} is not a floating-point type; use float32, bfloat16 or float16")
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return names[dtype]
+
+
+def parse_device(device) -> torch.device:
+    """CUDA when available, else the CPU, unless asked; a device that cannot hold weights here is an error."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+        if device.type == "meta":
+            raise RuntimeError("the meta device holds no data")
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, TypeError) as e:
+        raise ValueError(f"device {str(device)!r} is not usable here ({str(e).splitlines()[0]})") from None
+    return device
+
+
+def check_qwen3_config(d: dict, where: str):
+    model_type, archs = d.get("model_type"), d.get("architectures") or []
+    if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+        raise ValueError(f"{where}: not a Qwen3 checkpoint (model_type={model_type!r}, architectures={archs})")
 
 
 def safetensors_files(path: str) -> list[str]:

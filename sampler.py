@@ -7,7 +7,7 @@ All randomness comes in as explicit tensors (Exponential(1) noise for categorica
 tests) drawn outside compiled code from a seeded torch.Generator, so that compiled code, eager code and the
 plain-Python reference verifiers in tests/test_sampler.py can be fed identical randomness and compared exactly.
 
-Two verification rules (REFERENCE.md §4):
+Two verification rules (docs/lossless.md has the proofs):
   - verify_chain_sampled: drafts sampled from q; accept with prob min(1, p/q), on rejection resample from the
     residual max(0, p - q). Output law = p.
   - walk_tree: deterministic candidates (greedy, argmax chains, top-K trees): draw the target's own token at

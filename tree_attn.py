@@ -11,9 +11,10 @@ every committed slot below `prefix` and the new slots prefix + j for which allow
 So one mask_mod serves everything. It reads `prefix` and `allow` from tensors that are updated in place each
 round: a compiled kernel guards on the tensors' identity and shape, not their values, so new trees and new
 prefix lengths never recompile. We build the BlockMask from block tables ourselves (`from_kv_blocks`) rather than
-calling `create_block_mask`, which fails to compile on CPU for this kind of mask_mod (REFERENCE.md §5), and we
-only shorten the list of KV blocks to visit (a tensor, also updated in place) as the prefix grows. Eager runs on
-the CPU evaluate the same mask_mod densely and use SDPA instead (attention_mask).
+calling `create_block_mask`, which fails to compile on CPU for this kind of mask_mod (docs/compile.md), and we
+only shorten the list of KV blocks to visit (a tensor, also updated in place) as the prefix grows. A mask made
+with dense=True (the engine's choice for eager CPU runs) hands its attention the same mask_mod evaluated densely,
+for SDPA, instead of the BlockMask.
 """
 
 import torch
@@ -27,22 +28,24 @@ def round_up(n: int, multiple: int = BLOCK) -> int:
 
 
 class PrefixMask:
-    """The mask for `q_len` rows written at slots [prefix, prefix + q_len) of a `kv_len`-slot cache."""
+    """The mask for `q_len` rows written at slots [prefix, prefix + q_len) of a `kv_len`-slot cache. `set` returns
+    what the attention layers take: the BlockMask (FlexAttention), or with dense=True the same mask as a boolean
+    matrix over the KV slots it visits (SDPA: eager FlexAttention on the CPU runs a vmapped math fallback)."""
 
-    def __init__(self, q_len: int, kv_len: int, device):
+    def __init__(self, q_len: int, kv_len: int, device, dense: bool = False):
         assert kv_len % BLOCK == 0, "cache length must be a multiple of the FlexAttention block"
-        self.q_len, self.kv_len = q_len, kv_len
+        self.q_len, self.kv_len, self.dense = q_len, kv_len, dense
         self.prefix = torch.zeros((), dtype=torch.int64, device=device)
-        # Bytes, not bool: the round rewrites this matrix, and inductor's CPU code writes bool tensors about 25x
-        # slower than bytes (a compiled fill of 513 x 513: 0.77 ms as bool, 0.03 ms as uint8). Nonzero = allowed.
-        # It must be written by pointwise ops in the compiled round: a scatter into it gave compiled FlexAttention
-        # (CPU, torch 2.13) silently wrong outputs, and a bool-to-byte copy failed to lower.
+        # Bytes, not bool: the round rewrites this matrix, and inductor's CPU code writes bool tensors many times
+        # slower than bytes (docs/compile.md, "allow matrix as bytes"). Nonzero = allowed. The compiled round
+        # writes it with pointwise ops only: compiled CPU FlexAttention (torch 2.13) reads a scatter-built matrix
+        # wrongly, and a bool-to-byte copy fails to lower (docs/compile.md, "writing the allow matrix").
         self.allow = torch.zeros(q_len, q_len, dtype=torch.uint8, device=device)
         n_q, n_kv = -(-q_len // BLOCK), kv_len // BLOCK
         self.kv_num_blocks = torch.full((1, 1, n_q), n_kv, dtype=torch.int32, device=device)
         kv_indices = torch.arange(n_kv, dtype=torch.int32, device=device).expand(1, 1, n_q, n_kv).contiguous()
         # No block is "full" (mask-free): the mask_mod decides everything. The C++ kernel wants these tensors
-        # present and distinct from kv_indices (REFERENCE.md §5).
+        # present and distinct from kv_indices (docs/compile.md, "full-block tensors").
         full_num = torch.zeros(1, 1, n_q, dtype=torch.int32, device=device)
         full_idx = torch.zeros(1, 1, n_q, n_kv, dtype=torch.int32, device=device)
         # The compiled steps write prefix, allow and kv_num_blocks in place. CUDA graph trees refuse graphs that
@@ -72,11 +75,7 @@ class PrefixMask:
         # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len).
         blocks = (self.prefix + self.q_len + BLOCK - 1) // BLOCK
         self.kv_num_blocks.copy_(blocks.clamp(max=self.kv_len // BLOCK).to(torch.int32).expand_as(self.kv_num_blocks))
-        return self.block_mask
-
-    def dense(self) -> torch.Tensor:
-        """The same mask as a dense [q_len, kv_len] boolean matrix (for tests and SDPA)."""
-        return dense_mask(self.block_mask, self.kv_len)
+        return dense_mask(self.block_mask) if self.dense else self.block_mask
 
 
 def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor:
@@ -90,15 +89,6 @@ def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor
     q = torch.arange(q_len, device=device)[:, None]
     kv = torch.arange(kv_len, device=device)[None, :]
     return block_mask.mask_mod(0, 0, q, kv)
-
-
-def attention_mask(block_mask: BlockMask):
-    """What a forward hands its attention layers: the BlockMask (FlexAttention), except in eager runs on the CPU,
-    where it is materialized once per forward for SDPA: eager FlexAttention there evaluates the mask_mod under
-    vmap and runs a math fallback (eager AR on a 4-layer random Qwen3: 43 tokens/s that way, 263 with SDPA)."""
-    if block_mask.kv_indices.device.type == "cpu" and not torch.compiler.is_compiling():
-        return dense_mask(block_mask)
-    return block_mask
 
 
 def causal(n: int, device=None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Statistical correctness run (DESIGN.md, correctness pyramid level 3): sampled output follows the target's law.
+"""Statistical correctness run (docs/stat_test.md, the correctness pyramid's level 3): sampled output follows the
+target's law.
 
 On a tiny vocabulary the exact joint law of the first n new tokens under the warped target is enumerated (the
 autoregressive law: the product of warped next-token distributions, over all V^n sequences, in float64). N
@@ -15,7 +16,7 @@ check is instead that every sample equals the AR greedy sequence (no control).
 
 Speed. Eager FlexAttention on a CPU costs ~9 ms per call whatever the size (its math path vmaps the mask_mod over
 [queries, all cache slots] through Python), so the engine's eager CPU runs hand their layers the same mask_mod
-materialized for SDPA instead (tree_attn.attention_mask): that is `--attention dense`, the default, the engine as
+materialized for SDPA instead (ddtree.EAGER_CPU_ATTENTION): that is `--attention dense`, the default, the engine as
 is. `--attention flex` makes them run eager FlexAttention, the real kernel. tests/test_stat.py checks that both
 give the engine the same tokens for the same seeds.
 
@@ -53,7 +54,6 @@ from ddtree import generate  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling, sample, warp_probs  # noqa: E402
-import tree_attn  # noqa: E402
 from tree_attn import PrefixMask, causal  # noqa: E402
 
 ALPHA = 1e-6
@@ -91,17 +91,16 @@ def load_pair(target_path: str, draft_path: str | None):
 
 @contextlib.contextmanager
 def attention(kind: str):
-    """kind 'dense': the engine as is (eager CPU runs materialize the mask for SDPA: tree_attn.attention_mask);
-    'flex': every forward hands its layers the BlockMask, so eager FlexAttention runs."""
-    if kind == "dense":
-        yield
-        return
-    saved = tree_attn.attention_mask
-    tree_attn.attention_mask = lambda block_mask: block_mask
+    """kind 'dense': the engine as is (eager CPU engines materialize the mask for SDPA); 'flex': eager engines
+    hand their layers the BlockMask, so eager FlexAttention runs (ddtree.EAGER_CPU_ATTENTION)."""
+    saved = ddtree.EAGER_CPU_ATTENTION
+    ddtree.EAGER_CPU_ATTENTION = "sdpa" if kind == "dense" else "flex"
+    ddtree._ENGINES.clear()  # engines fix their attention when they are made
     try:
         yield
     finally:
-        tree_attn.attention_mask = saved
+        ddtree.EAGER_CPU_ATTENTION = saved
+        ddtree._ENGINES.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -112,9 +111,10 @@ def next_token_logits(target: Qwen3, tokens: list[int]) -> torch.Tensor:
     """float32 logits [len(tokens), V] of the target run causally on `tokens` (row i: the next token after
     tokens[:i + 1]), through the same forward the engine uses."""
     n = len(tokens)
-    if target.cache_len < n:
+    cache = target.layers[0].self_attn.k_cache
+    if cache is None or cache.shape[2] < n:
         target.setup_cache(max(1024, -(-n // 128) * 128))
-    mask = PrefixMask(n, target.cache_len, target.device)
+    mask = PrefixMask(n, target.layers[0].self_attn.k_cache.shape[2], target.device, dense=ddtree.EAGER_CPU_ATTENTION == "sdpa")
     mask.allow.copy_(causal(n))
     pos = torch.arange(n, device=target.device)
     with torch.inference_mode():

@@ -271,8 +271,8 @@ def test_compiled_build_tree_traces_fully_and_matches():
 
 
 def test_format_tree():
-    tokens, parents, depths = torch.tensor([5, 6, 7, 0]), torch.tensor([0, 1, 0, -1]), torch.tensor([1, 2, 1, 0])
-    text = format_tree(tokens, parents, depths, accepted_rows=[0, 1], decode=lambda t: f"t{t}",
+    tokens, parents = torch.tensor([5, 6, 7, 0]), torch.tensor([0, 1, 0, -1])
+    text = format_tree(tokens, parents, accepted_rows=[0, 1], decode=lambda t: f"t{t}",
                        probs=torch.tensor([0.5, 0.25, 0.125, 0.0]), root="b")
     assert text == "\n".join([
         "b  ✓",
@@ -280,4 +280,4 @@ def test_format_tree():
         "│   └── t6  0.250  ·",
         "└── t7  0.125  ·",
     ])
-    assert format_tree(tokens, parents, depths).splitlines()[1:] == ["├── 5", "│   └── 6", "└── 7"]
+    assert format_tree(tokens, parents).splitlines()[1:] == ["├── 5", "│   └── 6", "└── 7"]

@@ -12,6 +12,7 @@ import torch
 import ddtree
 from conftest import compiled_equals_eager
 from ddtree import generate
+from text import Text
 from model import Qwen3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,7 +139,7 @@ def test_cli_streams_text_and_summary(checkpoint, capsys):
 def test_chat_template_renders_like_transformers(checkpoint):
     from transformers import PreTrainedTokenizerFast
     hf = PreTrainedTokenizerFast.from_pretrained(checkpoint)
-    ours = ddtree.Text(checkpoint)
+    ours = Text(checkpoint)
     messages = [{"role": "user", "content": "def f(x):"}]
     assert ours.render_chat("def f(x):") == hf.apply_chat_template(messages, tokenize=False,
                                                                      add_generation_prompt=True)

@@ -174,7 +174,7 @@ def ours_causal(m, ids, start=0, **kw):
     """Run `ids` at positions/slots start.. with a causal mask over a cache whose first `start` slots are set."""
     n = len(ids)
     pos = torch.arange(start, start + n)
-    mask = PrefixMask(n, m.cache_len, "cpu")
+    mask = PrefixMask(n, m.layers[0].self_attn.k_cache.shape[2], "cpu", dense=True)
     with torch.no_grad():
         return m(ids, pos, pos, mask.set(start, causal(n)), **kw)
 
@@ -255,7 +255,7 @@ def test_cached_decode_equals_full_forward(ckpt):
     prompt = 10
     pre, _ = ours_causal(m, ids[:prompt])
     assert max_diff(pre, full[:prompt]) < TOL
-    step = PrefixMask(1, CACHE, "cpu")
+    step = PrefixMask(1, CACHE, "cpu", dense=True)
     one = torch.ones(1, 1, dtype=torch.bool)
     with torch.no_grad():
         for s in range(prompt, 30):
@@ -302,7 +302,7 @@ def test_feature_layers_match_hf_hidden_states(ckpt):
     _, f1 = ours_causal(m, ids, feature_layers=(1,))
     assert max_diff(f1, hs[2][0]) < TOL
     # The last layer: HF's hidden_states[num_layers] is taken after the final norm and official DFlash drafters
-    # reading it were trained on that, so model.py matches it (REFERENCE.md §2; the raw residual stream would be
+    # reading it were trained on that, so model.py matches it (docs/checkpoints.md, "context features"; the raw residual stream would be
     # O(1) off here).
     _, f012 = ours_causal(m, ids, feature_layers=(0, 1, 2))
     assert max_diff(f012, torch.cat([hs[1][0], hs[2][0], hs[3][0]], dim=-1)) < TOL
@@ -339,7 +339,7 @@ def test_tree_rows_equal_their_root_to_node_paths(ckpt, name):
     ours_causal(m, prompt)  # committed prefix in slots 0..start-1
     pos = start + torch.tensor(depth)
     slots = start + torch.arange(n)
-    mask = PrefixMask(n, CACHE, "cpu")
+    mask = PrefixMask(n, CACHE, "cpu", dense=True)
     with torch.no_grad():
         tree_logits, _ = m(tokens, pos, slots, mask.set(start, allow))
 

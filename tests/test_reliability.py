@@ -189,6 +189,7 @@ def test_fresh_seed_leaves_torch_global_rng_alone(pair):
     (dict(method="dflash", draft_sampling=True), ValueError, "draft_sampling does not apply"),
     (dict(method="ar", show_tree=True), ValueError, "show_tree does not apply"),
     (dict(method="ar", denoise_steps=2), ValueError, "denoise_steps does not apply"),
+    (dict(method="ddtree", denoise_steps=10**9), ValueError, "exceeds the drafter's 4 draft positions"),
     (dict(method="dflash", draft_temperature=0.5), ValueError, "draft_temperature does not apply"),
     (dict(top_k=5), ValueError, "top_k does not apply .* greedy"),
     (dict(top_p=0.5, min_p=0.1), ValueError, "top_p, min_p does not apply"),

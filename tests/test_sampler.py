@@ -1,4 +1,4 @@
-"""Tests for sampler.py: the correctness pyramid's first two levels (DESIGN.md), plus warping and sampling.
+"""Tests for sampler.py: the correctness pyramid's first two levels (docs/lossless.md), plus warping and sampling.
 
 1. Plain-Python reference verifiers written against a two-call RNG interface:
        rng.bernoulli(num, den, key) -> True with probability min(1, num / den)   (num / 0 = inf if num > 0, else 0)
@@ -294,7 +294,7 @@ def test_chain_rule_named_cases(name):
 
 
 def test_article_worked_example():
-    """Article §3: vocab (cat, dog, sat, on, mat), draft 'cat'."""
+    """A worked example of the chain rule: vocab (cat, dog, sat, on, mat), draft 'cat'."""
     p = [F(50, 100), F(20, 100), F(15, 100), F(10, 100), F(5, 100)]
     q = [F(70, 100), F(10, 100), F(5, 100), F(10, 100), F(5, 100)]
     bonus = [F(1, 5)] * 5

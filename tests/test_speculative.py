@@ -119,7 +119,7 @@ def test_show_tree_records_rounds(models):
     target, drafters = models
     res = greedy(target, drafters[5], [2, 3, 4], method="ddtree", budget=10, max_new_tokens=8, show_tree=True)
     tokens, parents, depths, path, length = res.trees[0]
-    picture = format_tree(tokens, parents, depths, accepted_rows=path[:length])
+    picture = format_tree(tokens, parents, accepted_rows=path[:length])
     assert picture.count("\n") >= 10 and "✓" in picture
 
 

@@ -1,4 +1,4 @@
-"""Correctness pyramid level 3 (DESIGN.md), CI-sized: sampled dflash / ddtree output follows the target's law.
+"""Correctness pyramid level 3 (docs/stat_test.md), CI-sized: sampled dflash / ddtree output follows the target's law.
 
 For a tiny random pair (vocab 4, drafter block 3) the exact joint law of the first 4 new tokens under the warped
 target is enumerated; samples from generate(seed=i) must pass a chi-square test against it (failure below
@@ -6,7 +6,7 @@ p = 1e-6), and a planted bug in the verification (scripts/stat_test.py's control
 on the same seeds, so the test demonstrably has the power to see a wrong law. Drafts must be accepted often
 enough for the verification rule to matter. Greedy runs must reproduce AR greedy exactly.
 
-Sampling runs the engine's eager CPU attention (the mask materialized for SDPA, tree_attn.attention_mask);
+Sampling runs the engine's eager CPU attention (the mask materialized for SDPA, ddtree.EAGER_CPU_ATTENTION);
 test_dense_attention_matches_flex checks that it gives the engine the same tokens as eager FlexAttention. Seeds are
 fixed, so every p-value here is deterministic on a given build.
 """

@@ -48,7 +48,7 @@ def inference_forward(target, ids, feature_layers=()):
     n = ids.numel()
     target.setup_cache(CACHE)
     pos = torch.arange(n)
-    mask = PrefixMask(n, CACHE, "cpu")
+    mask = PrefixMask(n, CACHE, "cpu", dense=True)
     with torch.no_grad():
         return target(ids, pos, pos, mask.set(0, causal(n)), feature_layers=feature_layers)
 
@@ -172,7 +172,7 @@ def test_drafter_training_forward_equals_draft(pair):
         logits = training_logits(drafter, target.embed_tokens, target.lm_head, features, blocks, positions,
                                  training_mask(anchors, tokens.shape[1], bs))
     drafter.setup_cache(CACHE)
-    draft_mask = PrefixMask(bs, CACHE, "cpu")
+    draft_mask = PrefixMask(bs, CACHE, "cpu", dense=True)
     draft_mask.allow.fill_(True)
     for b in range(2):
         for j, a in enumerate(anchors[b].tolist()):
@@ -286,7 +286,7 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 def test_bundled_pair_greedy_methods_agree_and_speculate():
-    from ddtree import Text
+    from text import Text
     target = Qwen3.from_pretrained(os.path.join(ASSETS, "tiny-target"), device="cpu")
     drafter = DFlashDrafter.from_pretrained(os.path.join(ASSETS, "tiny-draft"), device="cpu")
     text = Text(target.path)

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
 from draft_tree import ancestor_matrix, build_tree
-from tree_attn import PrefixMask, causal, compact_kv
+from tree_attn import PrefixMask, causal, compact_kv, dense_mask
 
 KV_LEN = 256
 
@@ -46,7 +46,10 @@ def test_tree_mask_equals_dense_sdpa(budget, depth, vocab, prefix, seed):
     mask = PrefixMask(budget + 1, KV_LEN, "cpu")
     block_mask = mask.set(prefix, anc)
     dense = explicit_mask(prefix, anc, budget + 1)
-    assert torch.equal(mask.dense(), dense)
+    assert torch.equal(dense_mask(mask.block_mask, KV_LEN), dense)
+    # dense=True hands SDPA the same mask over the KV blocks it visits, and nothing is visible past them
+    as_sdpa = PrefixMask(budget + 1, KV_LEN, "cpu", dense=True).set(prefix, anc)
+    assert torch.equal(as_sdpa, dense[:, :as_sdpa.shape[1]]) and not dense[:, as_sdpa.shape[1]:].any()
     q, k, v = qkv(budget + 1, seed)
     out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(out, sdpa_reference(q, k, v, dense), atol=1e-5, rtol=1e-5)
@@ -60,7 +63,7 @@ def test_mask_rows_see_only_prefix_and_ancestors():
     assert torch.equal(anc, expected)
     mask = PrefixMask(4, KV_LEN, "cpu")
     mask.set(10, anc)
-    dense = mask.dense()
+    dense = dense_mask(mask.block_mask, KV_LEN)
     assert dense[:, :10].all() and not dense[:, 14:].any()
     assert torch.equal(dense[:, 10:14], expected)
 
