@@ -16,49 +16,20 @@ timed on its own (compiled, they fuse into the round's graph and cost less). `ro
 """
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
-from draft_tree import build_tree, build_tree_heap  # noqa: E402
+from benchlib import (compare, held_out_code, print_rows, round_header, round_row, round_split,  # noqa: E402
+                      run, save_random_target, tree_alone, write_json)
+from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
-from ddtree import Engine, cache_length  # noqa: E402
 from model import Qwen3  # noqa: E402
-from sampler import Sampling  # noqa: E402
-from tree_attn import compact_kv  # noqa: E402
-
-
-def write_json(path: str, obj):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device, repeats):
-    """Median milliseconds of fn() over `repeats` calls (after one warm-up), and its output."""
-    return interleaved([fn], device, repeats)[0], fn()
-
-
-def save_random_target(path, vocab, hidden, layers) -> dict:
-    """The benchmarks' random Qwen3 (head_dim 64, GQA 2, MLP 3x hidden) written to `path`; returns its config."""
-    tc = qwen3_config(vocab, hidden=hidden, inter=3 * hidden, layers=layers, heads=max(1, hidden // 64),
-                      kv_heads=max(1, hidden // 128), head_dim=64)
-    save_checkpoint(path, tc, random_qwen3_weights(tc))
-    return tc
 
 
 def random_pair(vocab, hidden, layers, block, draft_layers, device, path=None):
@@ -69,108 +40,6 @@ def random_pair(vocab, hidden, layers, block, draft_layers, device, path=None):
     save_checkpoint(os.path.join(path, "d"), dc, random_dflash_weights(dc))
     target = Qwen3.from_pretrained(os.path.join(path, "t"), device=device)
     return target, DFlashDrafter.from_pretrained(os.path.join(path, "d"), device=device).bind(target)
-
-
-@torch.inference_mode()
-def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
-    """Per-stage milliseconds of one round after a real prefill, for one budget.
-
-    With `compile`, the forwards (draft, verify, context) and the whole round run compiled, with CUDA graphs on
-    the GPU (as the engine runs them), so round - forwards is the rest of the round in the same mode; and the
-    tree work alone (propose + tree_mask + accept, given the forwards' logits) is also timed compiled, with and
-    (on the GPU) without CUDA graphs: `tree_work` and `tree_work_nograph`.
-    """
-    dev = target.device
-    engine = Engine(target, drafter, "ddtree", budget, Sampling(), cache_length(prompt_len, 64, budget + 32),
-                    compile=False)
-    # The drafter's forward comes in two parts in our round: the block pass (draft) and, at commit, the context
-    # K/V of the committed tokens (extend_context). Both count as the drafter's forward, not as tree overhead.
-    context = engine.extend_context
-    mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs, as the engine compiles them
-    if compile:
-        engine.draft, engine.verify, context = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
-                                                for f in (engine.draft, engine.verify, context))
-        engine.round = torch.compile(engine._round, dynamic=False, fullgraph=True, mode=mode)
-    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), device=dev)
-    bonus, _ = engine.prefill(prompt, None)
-    bonus, start = bonus.view(1), torch.tensor(prompt_len, device=dev)
-    # Outputs of a CUDA graph are overwritten by its next replay: every output used later is cloned.
-    keep = lambda out: tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
-    ms = {}
-    ms["draft"], logits_q = timed(lambda: engine.draft(bonus, start), dev, repeats)
-    logits_q = logits_q.clone()
-    ms["tree"], (tokens, parents, depths, q) = timed(lambda: engine.propose(logits_q, None), dev, repeats)
-    ms["mask"], mask = timed(lambda: engine.tree_mask(start, parents), dev, repeats)
-    ms["verify"], out = timed(lambda: engine.verify(bonus, tokens, depths, start, mask), dev, repeats)
-    rows, pos, logits, features = keep(out)
-    ms["walk"], (path, length, nxt) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
-                                            repeats)
-    feats, positions = features[path], pos[path]
-    ms["compact"], _ = timed(lambda: compact_kv(target.kv_caches(), start, path), dev, repeats)
-    ms["context"], _ = timed(lambda: context(start, feats, positions), dev, repeats)
-    ms["sum"] = sum(ms.values())
-    ms["overhead_pct"] = 100 * (ms["tree"] + ms["mask"] + ms["walk"] + ms["compact"]) / ms["sum"]
-    if compile:
-        # The whole round compiled: what it costs beyond the forwards is the real tree overhead. They are timed
-        # interleaved (round, draft, context, verify, round, ...) so a noisy machine shifts all of them alike.
-        whole, fwd_d, fwd_c, fwd_v = interleaved([lambda: engine.round(bonus, start, None, None, None),
-                                                  lambda: engine.draft(bonus, start),
-                                                  lambda: context(start, feats, positions),
-                                                  lambda: engine.verify(bonus, tokens, depths, start, mask)],
-                                                 dev, 3 * repeats)
-        ms["round"] = whole
-        ms["round_overhead_pct"] = 100 * (whole - fwd_d - fwd_c - fwd_v) / whole
-
-        def tree_work(logits_q, logits):
-            tokens, parents, depths, q = engine.propose(logits_q, None)
-            engine.tree_mask(start, parents)
-            return engine.accept(logits, tokens, parents, q, None, None)
-
-        modes = {"tree_work": mode} | ({"tree_work_nograph": None} if mode else {})
-        for name, m in modes.items():
-            fn = torch.compile(tree_work, dynamic=False, fullgraph=True, mode=m)
-            ms[name], _ = timed(lambda: fn(logits_q, logits), dev, repeats)
-    return ms
-
-
-def round_header(cols, compiled: bool, width: int = 8) -> str:
-    return (f"{'B':>5s} " + " ".join(f"{c[:width]:>{width}s}" for c in cols) + f" {'overhead':>9s}"
-            + (f" {'compiled':>9s}" if compiled else ""))
-
-
-def round_row(budget, ms, cols, width: int = 8) -> str:
-    """One line of a round_split table: the stages' milliseconds, the eager overhead share and, when the whole
-    round was compiled, its overhead share."""
-    return (f"{budget:5d} " + " ".join(f"{ms[c]:{width}.2f}" for c in cols) + f" {ms['overhead_pct']:8.1f}%"
-            + (f" {ms['round_overhead_pct']:8.1f}%" if "round_overhead_pct" in ms else ""))
-
-
-def interleaved(fns, device, repeats):
-    """Median milliseconds of each of fns, called in turn `repeats` times (after one warm-up call each)."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
-            sync(device)
-            t = time.perf_counter()
-            fn()
-            sync(device)
-            ts.append((time.perf_counter() - t) * 1e3)
-    return [statistics.median(ts) for ts in times]
-
-
-def tree_alone(vocab, depth, budget, device, repeats):
-    """Tree construction by itself at the paper's size: the heap (reference) and the tensor version."""
-    logq = torch.log_softmax(torch.randn(depth, vocab, device=device) * 3, -1)
-    out = {}
-    out["heap_ms"], heap = timed(lambda: build_tree_heap(logq, budget), device, repeats)
-    out["tensor_eager_ms"], fast = timed(lambda: build_tree(logq, budget), device, repeats)
-    compiled = torch.compile(build_tree, dynamic=False, fullgraph=True)
-    out["tensor_compiled_ms"], fast_c = timed(lambda: compiled(logq, budget), device, repeats)
-    out["equal"] = all(torch.equal(a, b) for a, b in zip(heap, fast)) and all(
-        torch.equal(a, b) for a, b in zip(heap, fast_c))
-    return out
 
 
 def main():
@@ -222,9 +91,8 @@ def main():
 
 def scorecard(target_path: str, vocab: int, repeats: int, new: int = 128):
     """The CPU goals of the compiled fast path, measured side by side in this process."""
-    from bench_ar import compare, print_rows
-    from bench_pair import held_out_code, run
-    from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Text
+    from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET
+    from text import Text
     out = {}
     prompt = torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = compare(target_path, prompt, new, repeats)

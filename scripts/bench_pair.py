@@ -10,47 +10,17 @@ which inflates tau over generations). All methods run in one process, side by si
 
 import argparse
 import os
-import random
 import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from bench import round_header, round_row, round_split, write_json  # noqa: E402
-from checkpoints import stdlib_files  # noqa: E402
-from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Text, generate  # noqa: E402
+from benchlib import held_out_code, round_header, round_row, round_split, run, write_json  # noqa: E402
+from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate  # noqa: E402
+from text import Text  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
-from train_target import HELD_OUT_EVERY, read  # noqa: E402
-
-
-def held_out_code(text: Text, n: int, lo: int, hi: int, seed: int):
-    """n token windows of length lo..hi from the held-out standard-library files."""
-    rng = random.Random(seed)
-    _, held = stdlib_files(HELD_OUT_EVERY)
-    docs = [ids for ids in (text.encode(read(f)) for f in held) if len(ids) > hi + 1]
-    out = []
-    for _ in range(n):
-        ids = rng.choice(docs)
-        length = rng.randint(lo, hi)
-        start = rng.randint(0, len(ids) - length - 1)
-        out.append(ids[start:start + length])
-    return out
-
-
-def run(target, drafter, prompts, method, budget, new_tokens, compile, denoise):
-    """Greedy generations: tau over all rounds, tokens/s over all prompts (after one warm-up call)."""
-    kw = dict(method=method, budget=budget if method == "ddtree" else None, max_new_tokens=new_tokens, stop_ids=[], compile=compile,
-              denoise_steps=denoise)
-    generate(target, drafter, prompts[0], **kw)  # warm-up: compile, caches
-    accepted, tokens, seconds = [], 0, 0.0
-    for p in prompts:
-        res = generate(target, drafter, p, **kw)
-        accepted += res.stats["accepted"]
-        tokens += res.stats["new_tokens"]
-        seconds += res.stats["seconds"]
-    return dict(tau=sum(accepted) / len(accepted), tokens_per_s=tokens / seconds, accepted=accepted)
 
 
 def one_step_tau(target, drafter, contexts, method, budget, denoise):

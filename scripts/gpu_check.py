@@ -6,7 +6,7 @@
 
 Prints and writes, most important first: the measured device copy bandwidth and the AR step's bandwidth floor
 (weight bytes / bandwidth) beside the measured AR step (eager, compiled, CUDA graphs); the round split at the
-paper's budget (draft, tree, mask, verify, walk, compact, context: bench.py's round_split), the whole compiled
+paper's budget (draft, tree, mask, verify, walk, compact, context: benchlib.round_split), the whole compiled
 round, and tree + mask + walk compiled with and without CUDA graphs; generate() end to end as users run it
 (compiled, CUDA graphs on the GPU: AR and DDTree, each twice); the other budgets; tree build alone at the paper's
 size. Every section compiles 8B-shaped graphs afresh, so the first compiled AR step's time is taken as the cost
@@ -25,8 +25,8 @@ from torch._dynamo.utils import counters
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench import round_header, round_row, round_split, sync, timed, tree_alone, write_json  # noqa: E402
-from ddtree import Engine, cache_length, generate  # noqa: E402
+from benchlib import round_header, round_row, round_split, sync, timed, tree_alone, write_json  # noqa: E402
+from ddtree import Engine, Speculation, cache_length, generate  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
 from sampler import Sampling  # noqa: E402
@@ -77,17 +77,21 @@ def copy_bandwidth(device, gib=1.0):
 
 def ar_steps(target, device, compile_mode, repeats=20):
     """Milliseconds per AR decode step at ~context 512 (eager, compiled, or compiled + CUDA graphs)."""
-    engine = Engine(target, None, "ar", 1, Sampling(), cache_length(512, 64, 0), compile=False)
+    spec = Speculation()
+    engine = Engine(target, None, "ar", Sampling(), spec, cache_length(512, 64, "ar", spec, None),
+                    compile=compile_mode is not None)  # its masks are those of an engine run this way
+    engine.prefill_step = engine._prefill_step  # the prefill only sets up the cache here: eager
+    step = engine._decode
     if compile_mode:
-        engine.decode_step = torch.compile(engine._decode_step, dynamic=False, fullgraph=True,
-                                           mode="reduce-overhead" if compile_mode == "cudagraphs" else None)
-    token, pos = torch.tensor([1], device=device), torch.tensor([512], device=device)
-    engine.prefill(torch.randint(0, 100, (512,), device=device), None)
+        step = torch.compile(engine._decode, dynamic=False, fullgraph=True,
+                             mode="reduce-overhead" if compile_mode == "cudagraphs" else None)
+    token, start = torch.tensor([1], device=device), torch.tensor(512, device=device)
+    engine.prefill(torch.randint(0, 100, (512,), device=device))
     t = time.time()
-    engine.decode_step(token, pos, None)  # compiles (and captures) on the first call
+    step(token, start, None)  # compiles (and captures) on the first call
     sync(device)
     first_s = time.time() - t
-    ms, _ = timed(lambda: engine.decode_step(token, pos, None), device, repeats)
+    ms, _ = timed(lambda: step(token, start, None), device, repeats)
     return ms, first_s
 
 
@@ -108,7 +112,7 @@ def end_to_end(target, drafter, budget, new_tokens=64, prompt_len=128):
 
 
 def run_round(a, budget, target, drafter, out, section, t0, graphs, cols):
-    """One budget's round split (bench.round_split), as a table row."""
+    """One budget's round split (benchlib.round_split), as a table row."""
     if not section(f"round B={budget}", graphs):
         return
     ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)

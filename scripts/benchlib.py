@@ -1,0 +1,225 @@
+"""Helpers shared by the benchmark scripts (bench.py, bench_ar.py, bench_pair.py, gpu_check.py): timing
+(sync, timed, interleaved), JSON output, the random target, the per-stage round split and its table rows, tree
+construction alone, AR beside transformers' generate (compare, print_rows), and held-out prompts and greedy runs
+on a trained pair (held_out_code, run). A library, not a script: each benchmark keeps its own CLI.
+"""
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (os.path.join(ROOT, "scripts"), ROOT):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint, stdlib_files  # noqa: E402
+from draft_tree import build_tree, build_tree_heap  # noqa: E402
+from ddtree import Engine, Speculation, cache_length, generate  # noqa: E402
+from model import Qwen3  # noqa: E402
+from sampler import Sampling  # noqa: E402
+from text import Text  # noqa: E402
+from train_target import HELD_OUT_EVERY, read  # noqa: E402
+from tree_attn import compact_kv  # noqa: E402
+
+
+def write_json(path: str, obj):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats):
+    """Median milliseconds of fn() over `repeats` calls (after one warm-up), and its output."""
+    return interleaved([fn], device, repeats)[0], fn()
+
+
+def interleaved(fns, device, repeats):
+    """Median milliseconds of each of fns, called in turn `repeats` times (after one warm-up call each)."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            ts.append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(ts) for ts in times]
+
+
+def save_random_target(path, vocab, hidden, layers) -> dict:
+    """The benchmarks' random Qwen3 (head_dim 64, GQA 2, MLP 3x hidden) written to `path`; returns its config."""
+    tc = qwen3_config(vocab, hidden=hidden, inter=3 * hidden, layers=layers, heads=max(1, hidden // 64),
+                      kv_heads=max(1, hidden // 128), head_dim=64)
+    save_checkpoint(path, tc, random_qwen3_weights(tc))
+    return tc
+
+
+@torch.inference_mode()
+def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
+    """Per-stage milliseconds of one round after a real prefill, for one budget.
+
+    With `compile`, the forwards (draft, verify, context) and the whole round run compiled, with CUDA graphs on
+    the GPU (as the engine runs them), so round - forwards is the rest of the round in the same mode; and the
+    tree work alone (propose + tree_mask + accept, given the forwards' logits) is also timed compiled, with and
+    (on the GPU) without CUDA graphs: `tree_work` and `tree_work_nograph`.
+    """
+    dev = target.device
+    spec = Speculation(budget=budget)
+    engine = Engine(target, drafter, "ddtree", Sampling(), spec, cache_length(prompt_len, 64, "ddtree", spec, drafter),
+                    compile=compile)  # its masks and tree builder are those of an engine run this way
+    engine.prefill_step = engine._prefill_step  # the prefill only sets up the caches here: eager
+    # The drafter's forward comes in two parts in our round: the block pass (draft) and, at commit, the context
+    # K/V of the committed tokens (extend_context). Both count as the drafter's forward, not as tree overhead.
+    context = engine.extend_context
+    mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs, as the engine compiles them
+    if compile:  # engine.round is compiled already, as the engine runs it
+        engine.draft, engine.verify, context = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
+                                                for f in (engine.draft, engine.verify, context))
+    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), device=dev)
+    bonus, _ = engine.prefill(prompt)
+    bonus, start = bonus.view(1), torch.tensor(prompt_len, device=dev)
+    # Outputs of a CUDA graph are overwritten by its next replay: every output used later is cloned.
+    keep = lambda out: tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
+    ms = {}
+    ms["draft"], logits_q = timed(lambda: engine.draft(bonus, start), dev, repeats)
+    logits_q = logits_q.clone()
+    ms["tree"], (tokens, parents, depths, q) = timed(lambda: engine.propose(logits_q, None), dev, repeats)
+    ms["mask"], mask = timed(lambda: engine.tree_mask(start, parents), dev, repeats)
+    ms["verify"], out = timed(lambda: engine.verify(bonus, tokens, depths, start, mask), dev, repeats)
+    rows, pos, logits, features = keep(out)
+    ms["walk"], (path, length, nxt, _) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
+                                            repeats)
+    feats, positions = features[path], pos[path]
+    ms["compact"], _ = timed(lambda: compact_kv(target.kv_caches(), start, path), dev, repeats)
+    ms["context"], _ = timed(lambda: context(start, feats, positions), dev, repeats)
+    ms["sum"] = sum(ms.values())
+    ms["overhead_pct"] = 100 * (ms["tree"] + ms["mask"] + ms["walk"] + ms["compact"]) / ms["sum"]
+    if compile:
+        # The whole round compiled: what it costs beyond the forwards is the real tree overhead. They are timed
+        # interleaved (round, draft, context, verify, round, ...) so a noisy machine shifts all of them alike.
+        whole, fwd_d, fwd_c, fwd_v = interleaved([lambda: engine.round(bonus, start, None, None, None),
+                                                  lambda: engine.draft(bonus, start),
+                                                  lambda: context(start, feats, positions),
+                                                  lambda: engine.verify(bonus, tokens, depths, start, mask)],
+                                                 dev, 3 * repeats)
+        ms["round"] = whole
+        ms["round_overhead_pct"] = 100 * (whole - fwd_d - fwd_c - fwd_v) / whole
+
+        def tree_work(logits_q, logits):
+            tokens, parents, depths, q = engine.propose(logits_q, None)
+            engine.tree_mask(start, parents)
+            return engine.accept(logits, tokens, parents, q, None, None)
+
+        modes = {"tree_work": mode} | ({"tree_work_nograph": None} if mode else {})
+        for name, m in modes.items():
+            fn = torch.compile(tree_work, dynamic=False, fullgraph=True, mode=m)
+            ms[name], _ = timed(lambda: fn(logits_q, logits), dev, repeats)
+    return ms
+
+
+def round_header(cols, compiled: bool, width: int = 8) -> str:
+    return (f"{'B':>5s} " + " ".join(f"{c[:width]:>{width}s}" for c in cols) + f" {'overhead':>9s}"
+            + (f" {'compiled':>9s}" if compiled else ""))
+
+
+def round_row(budget, ms, cols, width: int = 8) -> str:
+    """One line of a round_split table: the stages' milliseconds, the eager overhead share and, when the whole
+    round was compiled, its overhead share."""
+    return (f"{budget:5d} " + " ".join(f"{ms[c]:{width}.2f}" for c in cols) + f" {ms['overhead_pct']:8.1f}%"
+            + (f" {ms['round_overhead_pct']:8.1f}%" if "round_overhead_pct" in ms else ""))
+
+
+def tree_alone(vocab, depth, budget, device, repeats):
+    """Tree construction by itself at the paper's size: the heap (reference) and the tensor version."""
+    logq = torch.log_softmax(torch.randn(depth, vocab, device=device) * 3, -1)
+    out = {}
+    out["heap_ms"], heap = timed(lambda: build_tree_heap(logq, budget), device, repeats)
+    out["tensor_eager_ms"], fast = timed(lambda: build_tree(logq, budget), device, repeats)
+    compiled = torch.compile(build_tree, dynamic=False, fullgraph=True)
+    out["tensor_compiled_ms"], fast_c = timed(lambda: compiled(logq, budget), device, repeats)
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(heap, fast)) and all(
+        torch.equal(a, b) for a, b in zip(heap, fast_c))
+    return out
+
+
+def best_of(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return min(times), out
+
+
+def compare(path: str, prompt: list, new: int, repeats: int):
+    """(name, seconds, tokens) for transformers' generate, our eager AR and our compiled AR on the checkpoint at
+    `path`, greedy, `new` tokens, best of `repeats` (compilation not timed)."""
+    from transformers import Qwen3ForCausalLM
+    ours = Qwen3.from_pretrained(path, device="cpu")
+    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    def run_hf():
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    def run_ours(compile):
+        return lambda: generate(ours, None, prompt, method="ar", max_new_tokens=new, stop_ids=[],
+                                compile=compile).tokens
+
+    rows = [("transformers generate",) + best_of(run_hf, repeats)]
+    rows.append(("ours eager",) + best_of(run_ours(False), repeats))
+    t = time.perf_counter()
+    run_ours(True)()  # compile (not timed below)
+    print(f"compile + first run: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    rows.append(("ours compiled",) + best_of(run_ours(True), repeats))
+    return rows
+
+
+def print_rows(rows, new):
+    t_hf, ref = rows[0][1], rows[0][2]
+    print(f"{'':24s} {'tokens/s':>9s} {'vs transformers':>16s} {'same tokens':>12s}")
+    for name, seconds, tokens in rows:
+        print(f"{name:24s} {new / seconds:9.1f} {t_hf / seconds:15.2f}x {str(tokens == ref):>12s}")
+
+
+def held_out_code(text: Text, n: int, lo: int, hi: int, seed: int):
+    """n token windows of length lo..hi from the held-out standard-library files."""
+    rng = random.Random(seed)
+    _, held = stdlib_files(HELD_OUT_EVERY)
+    docs = [ids for ids in (text.encode(read(f)) for f in held) if len(ids) > hi + 1]
+    out = []
+    for _ in range(n):
+        ids = rng.choice(docs)
+        length = rng.randint(lo, hi)
+        start = rng.randint(0, len(ids) - length - 1)
+        out.append(ids[start:start + length])
+    return out
+
+
+def run(target, drafter, prompts, method, budget, new_tokens, compile, denoise):
+    """Greedy generations: tau over all rounds, tokens/s over all prompts (after one warm-up call)."""
+    kw = dict(method=method, budget=budget if method == "ddtree" else None, max_new_tokens=new_tokens, stop_ids=[], compile=compile,
+              denoise_steps=denoise)
+    generate(target, drafter, prompts[0], **kw)  # warm-up: compile, caches
+    accepted, tokens, seconds = [], 0, 0.0
+    for p in prompts:
+        res = generate(target, drafter, p, **kw)
+        accepted += res.stats["accepted"]
+        tokens += res.stats["new_tokens"]
+        seconds += res.stats["seconds"]
+    return dict(tau=sum(accepted) / len(accepted), tokens_per_s=tokens / seconds, accepted=accepted)
