@@ -126,7 +126,7 @@ def apply_rope(x, cos, sin):
 
 # The CPU one-row switch (docs/compile.md, "one-row Linear on CPU"). Decoding one token only streams the weights,
 # and MKL's matrix-vector path streams them well below memory bandwidth, while a multiply-and-sum that inductor
-# fuses into one vectorized reduction reaches it (scripts/bench_ar.py measures both; the README quotes them). So
+# fuses into one vectorized reduction comes close to it (the README's benchmark section has the figures). So
 # compiled code on the CPU computes a single row that way. Several rows stay on the matmul (inside a full layer
 # inductor turns the multi-row form into loops slower than MKL), CUDA keeps cuBLAS, and eager code keeps F.linear
 # (eager would materialize the product). False: plain F.linear everywhere.

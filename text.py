@@ -9,6 +9,9 @@ from model import read_json
 
 
 class Text:
+    """A checkpoint directory's tokenizer (tokenizer.json) and chat template (tokenizer_config.json or
+    chat_template.jinja); a file that cannot be read is a ValueError naming it."""
+
     def __init__(self, path: str):
         from tokenizers import Tokenizer
         file = os.path.join(path, "tokenizer.json")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import compiled_equals_eager
-from ddtree import generate
+from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter, default_target_layer_ids
 from model import Qwen3
 
@@ -130,6 +130,19 @@ def test_compiled_equals_eager_without_recompiles(models):
         runs = compiled_equals_eager(lambda c, compile: greedy(target, drafters[5], c[0], method=method, budget=budget,
                                                                max_new_tokens=c[1], compile=compile), cases)
         assert sum(r.stats["rounds"] for r in runs) >= 100, [r.stats["rounds"] for r in runs]
+
+
+def test_engine_decides_tree_builder_and_attention_once(models):
+    """Eager engines build trees with the paper's heap and hand SDPA the materialized mask (on the CPU); compiled
+    engines use the tensor builder and FlexAttention: chosen in the constructor, the same for every call."""
+    from draft_tree import build_tree, build_tree_heap
+    from sampler import Sampling
+    target, drafters = models
+    for compile, builder, dense in ((False, build_tree_heap, True), (True, build_tree, False)):
+        engine = Engine(target, drafters[5], "ddtree", Sampling(), Speculation(budget=4), 1024, compile)
+        masks = (engine.prefill_mask, engine.decode_mask, engine.draft_mask, engine.verify_mask)
+        assert engine.build_tree is builder and all(m.dense == dense for m in masks)
+        assert isinstance(engine.verify_mask.set(3), torch.Tensor) == dense
 
 
 def test_compiled_sampling_equals_eager_without_recompiles(models):
