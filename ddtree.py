@@ -24,6 +24,7 @@ import reprlib
 import secrets
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,10 @@ from model import Qwen3
 from sampler import Sampling, draw_noise, sample, tempered, verify_chain_sampled, walk_tree, warp_probs
 from text import Streamer, Text
 from tree_attn import PrefixMask, causal, compact_kv, round_up
+
+# Eager FlexAttention (eager engines on CUDA, EAGER_CPU_ATTENTION = "flex") warns that it materializes the scores:
+# it does, by design of the eager path; --compile is the fused kernel.
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 METHODS = ("ddtree", "dflash", "ar")
 DEFAULT_BUDGET = 512  # the paper's tree size
