@@ -42,7 +42,7 @@ class DFlashConfig:
         archs = d.get("architectures") or []
         if "DFlashDraftModel" not in archs:
             raise ValueError(f"{where}: not a DFlash drafter (architectures={archs}, expected DFlashDraftModel)")
-        model = Qwen3Config.from_dict(d, where)
+        model = Qwen3Config.from_dict(d, where, moe=False)  # the drafter is dense, whatever its target
         dflash = d.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise ValueError(f"{where}: dflash_config must be a JSON object")

@@ -9,6 +9,7 @@ K/V cache is static, one buffer per layer. Config and modules come first, then l
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,24 @@ class Qwen3Config:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # Qwen3-MoE (0 experts: dense). Layer i is sparse iff i is not in mlp_only_layers, there are experts, and
+    # (i + 1) % decoder_sparse_step == 0; its MLP routes each row to num_experts_per_tok experts of width
+    # moe_intermediate_size. Dense layers use intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+
+    def sparse(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "config.json") -> "Qwen3Config":
-        """Reads every value from the file (transformers v4 and v5 layouts); refuses what we would get wrong."""
+    def from_dict(cls, d: dict, where: str = "config.json", moe: bool | None = None) -> "Qwen3Config":
+        """Reads every value from the file (transformers v4 and v5 layouts, dense or MoE); refuses what we would get
+        wrong. moe: read the MoE fields (default: when the file says qwen3_moe)."""
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in d]
         if missing:
@@ -73,11 +88,33 @@ class Qwen3Config:
             raise ValueError(f"{where}: use_sliding_window=true is not supported")
         if d.get("attention_bias"):
             raise ValueError(f"{where}: attention_bias=true is not supported (Qwen3 has no attention biases)")
+        if moe is None:
+            moe = d.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (d.get("architectures") or [])
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=eps, rope_theta=theta,
-            max_position_embeddings=max_positions, tie_word_embeddings=d.get("tie_word_embeddings", False))
+            max_position_embeddings=max_positions, tie_word_embeddings=d.get("tie_word_embeddings", False),
+            **(moe_fields(d, where) if moe else {}))
+
+
+def moe_fields(d: dict, where: str) -> dict:
+    """The Qwen3-MoE fields of a config: transformers 4.x writes num_experts, 5.x num_local_experts."""
+    key = "num_experts" if "num_experts" in d else "num_local_experts"
+    experts = positive(where, d, key)
+    top_k = positive(where, d, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} exceeds {key}={experts}")
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ValueError(f"{where}: mlp_only_layers must be a list of layer indices, got {only!r}")
+    if not isinstance(d.get("norm_topk_prob", False), bool):
+        raise ValueError(f"{where}: norm_topk_prob must be true or false, got {d['norm_topk_prob']!r}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=positive(where, d, "moe_intermediate_size"),
+                norm_topk_prob=d.get("norm_topk_prob", False),
+                decoder_sparse_step=positive(where, d, "decoder_sparse_step", default=1),
+                mlp_only_layers=tuple(only))
 
 
 def positive(where: str, d: dict, key: str, kind=int, default=None):
@@ -197,16 +234,99 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(nn.Module):
-    """One pre-norm Qwen3 decoder layer (also the DFlash drafter's layer, whose attention differs only in K/V)."""
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's MLP: a router picks num_experts_per_tok SwiGLU experts per row (softmax in float32, top-k,
+    optionally renormalized), and the row's output is their routing-weighted sum. The experts' weights are stacked,
+    one [experts, out, in] tensor per projection (the loader fills them expert by expert from the per-expert
+    tensors of the checkpoint).
 
-    def __init__(self, c: Qwen3Config):
+    How rows meet their experts depends only on shapes, so it is fixed per compiled graph:
+    - grouped GEMM (torch._grouped_mm: bf16 on CUDA): the (row, expert) pairs sorted by expert, two grouped
+      matmuls over the stacked weights; no weight is copied, each touched expert is read once;
+    - few pairs (rows x top-k <= experts: a decode step, a small verify): each pair's expert weights gathered, so
+      only the chosen experts are read;
+    - otherwise (a large verify or prefill on the CPU): every expert over every row, weighted by the routing
+      (zero where not chosen): each expert read once, at experts / top-k times the arithmetic of the pairs.
+    """
+
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = Linear(hidden, experts)  # the router
+        self.experts = nn.Module()
+        self.experts.gate_proj = nn.Parameter(torch.empty(experts, inter, hidden))
+        self.experts.up_proj = nn.Parameter(torch.empty(experts, inter, hidden))
+        self.experts.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def route(self, x):
+        """(expert ids [R, top_k], weights [R, top_k] in x's dtype), as Qwen3-MoE routes."""
+        probs = self.gate(x).float().softmax(-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x):
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])  # rows of any leading shape (training runs batches)
+        ids, weights = self.route(x)
+        if grouped_mm_supported(x):
+            out = self.grouped(x, ids, weights)
+        elif x.shape[0] * self.top_k <= self.experts.gate_proj.shape[0]:
+            out = self.gathered(x, ids, weights)
+        else:
+            out = self.all_experts(x, ids, weights)
+        return out.view(shape)
+
+    def gathered(self, x, ids, weights):
+        e = self.experts
+        flat = ids.reshape(-1)
+        xr = x.repeat_interleave(self.top_k, dim=0)  # [R * k, H], pair j = (row j // k, its j % k-th expert)
+        h = F.silu(torch.einsum("ph,pih->pi", xr, e.gate_proj[flat])) * torch.einsum("ph,pih->pi", xr, e.up_proj[flat])
+        out = torch.einsum("pi,phi->ph", h, e.down_proj[flat]) * weights.reshape(-1, 1)
+        return out.view(x.shape[0], self.top_k, -1).sum(1)
+
+    def all_experts(self, x, ids, weights):
+        e = self.experts
+        h = F.silu(torch.einsum("rh,eih->rei", x, e.gate_proj)) * torch.einsum("rh,eih->rei", x, e.up_proj)
+        out = torch.einsum("rei,ehi->reh", h, e.down_proj)  # [R, experts, H]
+        dense_weights = torch.zeros(out.shape[:2], dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+        return (out * dense_weights[..., None]).sum(1)
+
+    def grouped(self, x, ids, weights):
+        e = self.experts
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs grouped by expert
+        rows = order // self.top_k
+        counts = torch.zeros(e.gate_proj.shape[0], dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        xs = x[rows]
+        h = F.silu(torch._grouped_mm(xs, e.gate_proj.transpose(1, 2), offs=offs)) * \
+            torch._grouped_mm(xs, e.up_proj.transpose(1, 2), offs=offs)
+        out = torch._grouped_mm(h, e.down_proj.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, rows, out)
+
+
+def grouped_mm_supported(x) -> bool:
+    """torch._grouped_mm runs (and compiles) for bf16 on CUDA in the torch builds that have it."""
+    return hasattr(torch, "_grouped_mm") and x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
+class Block(nn.Module):
+    """One pre-norm Qwen3 decoder layer (also the DFlash drafter's layer, whose attention differs only in K/V);
+    layer `index` of a Qwen3-MoE model may have the sparse MLP."""
+
+    def __init__(self, c: Qwen3Config, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                    c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        if c.sparse(index):
+            self.mlp = SparseMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                                 c.norm_topk_prob)
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, cos, sin, cache_pos, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_pos, mask)
@@ -234,7 +354,7 @@ class Qwen3(nn.Module):
         self.config = config
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size)
         if c.tie_word_embeddings:
@@ -367,7 +487,7 @@ def parse_device(device) -> torch.device:
 
 def check_qwen3_config(d: dict, where: str):
     model_type, archs = d.get("model_type"), d.get("architectures") or []
-    if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+    if model_type not in ("qwen3", "qwen3_moe") and not {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(archs):
         raise ValueError(f"{where}: not a Qwen3 checkpoint (model_type={model_type!r}, architectures={archs})")
 
 
@@ -392,25 +512,45 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str, device, dtype, 
     """Stream every tensor from the safetensors files straight into `dtype` on `device`.
 
     The model was built on the meta device, so the only host copies are one tensor at a time: an 8B bf16
-    checkpoint never materializes in fp32. Missing or unexpected tensors are errors, not silent random weights.
+    checkpoint never materializes in fp32. A MoE checkpoint's per-expert tensors are copied into their slice of
+    the stacked expert weights as they are read (no second copy). Missing or unexpected tensors are errors, not
+    silent random weights.
     """
     wanted = {name: p for name, p in model.named_parameters()}
     wanted.update((name, b) for name, b in model.named_buffers() if name != "inv_freq")
-    loaded = {}
+    loaded, experts_read = {}, {}
     for file in safetensors_files(path):
         for key, t in read_tensors(file):
             name = key[len(strip_prefix):] if key.startswith(strip_prefix) else key
             if name in skip or name.endswith("rotary_emb.inv_freq"):
                 continue
+            expert = EXPERT_TENSOR.match(name)
+            if expert:  # layers.{i}.mlp.experts.{e}.{proj}.weight -> slice e of layers.{i}.mlp.experts.{proj}
+                name, index = f"{expert[1]}.{expert[3]}", int(expert[2])
             if name not in wanted:
                 raise ValueError(f"{file}: unexpected tensor {key!r} (is this the right kind of checkpoint?)")
-            if tuple(t.shape) != tuple(wanted[name].shape):
-                raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
-                                 f"{tuple(wanted[name].shape)}")
+            shape = tuple(wanted[name].shape[1:] if expert else wanted[name].shape)
+            if expert and index >= wanted[name].shape[0]:
+                raise ValueError(f"{file}: tensor {key!r} names expert {index}, config.json has "
+                                 f"{wanted[name].shape[0]} experts")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies {shape}")
             if not t.is_floating_point():
                 raise ValueError(f"{file}: tensor {key!r} holds {t.dtype}, not floating-point weights")
-            loaded[name] = t.to(device=device, dtype=dtype)
+            if expert:
+                if name not in loaded:
+                    loaded[name] = torch.empty(wanted[name].shape, device=device, dtype=dtype)
+                    experts_read[name] = set()
+                loaded[name][index].copy_(t)
+                experts_read[name].add(index)
+            else:
+                loaded[name] = t.to(device=device, dtype=dtype)
             del t
+    for name, read in experts_read.items():
+        absent = sorted(set(range(wanted[name].shape[0])) - read)
+        if absent:
+            raise ValueError(f"{path}: checkpoint lacks experts {absent[:8]} of {name} "
+                             f"({len(absent)} of {wanted[name].shape[0]})")
     missing = sorted(set(wanted) - set(loaded) - set(skip))
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -418,6 +558,9 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str, device, dtype, 
     # (remove_duplicate=False: a tied lm_head still points at the meta tensor until the caller re-ties it)
     if any(p.is_meta for n, p in model.named_parameters(remove_duplicate=False) if n not in skip):
         raise ValueError(f"{path}: some weights were not loaded")
+
+
+EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def read_tensors(file: str):

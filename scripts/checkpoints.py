@@ -78,9 +78,30 @@ def random_qwen3_weights(c: dict, seed: int = 0, std: float = 0.05) -> dict:
     w = {"model.embed_tokens.weight": rand(c["vocab_size"], H), "model.norm.weight": 1 + rand(H)}
     for i in range(c["num_hidden_layers"]):
         w.update(layer_weights(f"model.layers.{i}.", H, I, nh, nkv, hd, rand))
+        if is_sparse(c, i):  # the dense MLP gives way to a router and per-expert SwiGLUs (Hugging Face's names)
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                del w[f"model.layers.{i}.mlp.{n}.weight"]
+            E, J = c["num_experts"], c["moe_intermediate_size"]
+            w[f"model.layers.{i}.mlp.gate.weight"] = rand(E, H)
+            for e in range(E):
+                for n, shape in (("gate_proj", (J, H)), ("up_proj", (J, H)), ("down_proj", (H, J))):
+                    w[f"model.layers.{i}.mlp.experts.{e}.{n}.weight"] = rand(*shape)
     if not c["tie_word_embeddings"]:
         w["lm_head.weight"] = rand(c["vocab_size"], H)
     return w
+
+
+def moe_config(c: dict, experts: int, top_k: int, inter: int, sparse_step: int = 1, mlp_only=(),
+               norm_topk_prob: bool = True) -> dict:
+    """A Qwen3-MoE config dict from a Qwen3 one (transformers 4.x layout: num_experts), as Qwen3-30B-A3B's."""
+    return dict(c, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts,
+                num_experts_per_tok=top_k, moe_intermediate_size=inter, decoder_sparse_step=sparse_step,
+                mlp_only_layers=list(mlp_only), norm_topk_prob=norm_topk_prob)
+
+
+def is_sparse(c: dict, layer: int) -> bool:
+    return (c.get("num_experts", 0) > 0 and layer not in c.get("mlp_only_layers", [])
+            and (layer + 1) % c.get("decoder_sparse_step", 1) == 0)
 
 
 def layer_weights(prefix, H, I, nh, nkv, hd, rand) -> dict:

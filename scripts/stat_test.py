@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ddtree  # noqa: E402
-from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
+from checkpoints import (dflash_config, moe_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
                          save_checkpoint)
 from ddtree import generate  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
@@ -66,13 +66,17 @@ MAX_CELLS = 200_000
 
 
 def write_random_pair(out_dir: str, vocab: int, seed: int = 2, target_std: float = 0.4, draft_std: float = 0.4,
-                      block_size: int = 3, hidden: int = 32, target_layers: int = 2, draft_layers: int = 1):
+                      block_size: int = 3, hidden: int = 32, target_layers: int = 2, draft_layers: int = 1,
+                      moe: bool = False):
     """A tiny Qwen3 target and DFlash drafter. Weights of std 0.3-0.5 give a non-degenerate target (several tokens
     with real mass after warping; how peaked it is varies with the seed, and run_check warns when the law is
     nearly degenerate). The drafter shares the target's embedding and lm_head, so its drafts correlate with the
-    target's choices: with seed 2 (vocab 4, block 3) 0.7-1.0 drafts are accepted per round."""
+    target's choices: with seed 2 (vocab 4, block 3) 0.7-1.0 drafts are accepted per round. moe: a Qwen3-MoE
+    target (4 experts, top 2, every layer sparse)."""
     tc = qwen3_config(vocab, hidden=hidden, inter=2 * hidden, layers=target_layers, heads=2, kv_heads=1,
                       head_dim=16, eos=(vocab - 1, 0))
+    if moe:
+        tc = moe_config(tc, experts=4, top_k=2, inter=hidden)
     save_checkpoint(os.path.join(out_dir, "target"), tc, random_qwen3_weights(tc, seed=seed, std=target_std))
     dc = dflash_config(tc, layers=draft_layers, block_size=block_size, target_layer_ids=list(range(target_layers)))
     save_checkpoint(os.path.join(out_dir, "draft"), dc, random_dflash_weights(dc, seed=seed + 1, std=draft_std))
@@ -386,6 +390,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="samples use generate(seed=seed * 1000003 + i)")
     p.add_argument("--prompt", default=None, help="comma-separated token ids (default: 1,2,3 mod vocab)")
     p.add_argument("--target", default=None, help="Qwen3 checkpoint dir (default: write a random pair)")
+    p.add_argument("--moe", action="store_true", help="the random pair's target is a Qwen3-MoE")
     p.add_argument("--draft", default=None, help="DFlash checkpoint dir (default: write a random pair)")
     p.add_argument("--attention", choices=("dense", "flex"), default="dense")
     p.add_argument("--alpha", type=float, default=ALPHA, help="the real run fails below, the control must be below")
@@ -405,7 +410,8 @@ def main(argv=None) -> int:
         if target_path is None:
             if not 2 <= a.vocab <= 8:
                 raise SystemExit("--vocab must be in [2, 8]")
-            t, d = write_random_pair(tmp, a.vocab, a.pair_seed, a.target_std, a.draft_std, a.block_size)
+            t, d = write_random_pair(tmp, a.vocab, a.pair_seed, a.target_std, a.draft_std, a.block_size,
+                                     moe=a.moe)
             target_path, draft_path = target_path or t, draft_path or d
         target, drafter = load_pair(target_path, draft_path if a.method != "ar" else None)
         V = target.config.vocab_size
