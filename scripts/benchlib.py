@@ -18,13 +18,13 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint, stdlib_files  # noqa: E402
-from draft_tree import build_tree, build_tree_heap  # noqa: E402
+from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
 from train_target import HELD_OUT_EVERY, read  # noqa: E402
-from tree_attn import compact_kv  # noqa: E402
+from tree_attn import PrefixMask, compact_kv  # noqa: E402
 
 
 def write_json(path: str, obj):
@@ -126,6 +126,30 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
         for name, m in modes.items():
             fn = torch.compile(tree_work, dynamic=False, fullgraph=True, mode=m)
             ms[name], _ = timed(lambda: fn(logits_q, logits), dev, repeats)
+    return ms
+
+
+def verify_ms(target, budget: int, compile: bool, repeats: int, prompt_len: int = 256, seed: int = 0) -> float:
+    """Milliseconds of one verify forward of budget + 1 rows (a random tree: node i hangs under a random earlier
+    row) after a prompt_len prefix, compiled as the engine compiles it (CUDA graphs on the GPU). Budget 0 is a
+    decode step. On a MoE target the rows route to their own experts, so the cost follows how many are touched."""
+    dev, n = target.device, budget + 1
+    g = torch.Generator().manual_seed(seed)
+    kv = -(-(prompt_len + n) // 1024) * 1024
+    target.setup_cache(kv)
+    parents = torch.tensor([int(torch.randint(0, i + 1, (1,), generator=g)) for i in range(budget)], device=dev)
+    depths = torch.zeros(n, dtype=torch.long)
+    for i in range(budget):
+        depths[i + 1] = depths[int(parents[i])] + 1
+    mask = PrefixMask(n, kv, dev, dense=not compile and dev.type == "cpu")
+    block_mask = mask.set(prompt_len, ancestor_matrix(parents, int(depths.max()), dtype=torch.uint8))
+    tokens = torch.randint(0, target.config.vocab_size, (n,), generator=g).to(dev)
+    positions, slots = prompt_len + depths.to(dev), prompt_len + torch.arange(n, device=dev)
+    forward = target
+    if compile:
+        forward = torch.compile(target, dynamic=False, fullgraph=True,
+                                mode="reduce-overhead" if dev.type == "cuda" else None)
+    ms, _ = timed(lambda: forward(tokens, positions, slots, block_mask)[0], dev, repeats)
     return ms
 
 

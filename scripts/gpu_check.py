@@ -9,9 +9,11 @@ Prints and writes, most important first: the measured device copy bandwidth and 
 paper's budget (draft, tree, mask, verify, walk, compact, context: benchlib.round_split), the whole compiled
 round, and tree + mask + walk compiled with and without CUDA graphs; generate() end to end as users run it
 (compiled, CUDA graphs on the GPU: AR and DDTree, each twice); the other budgets; tree build alone at the paper's
-size. Every section compiles 8B-shaped graphs afresh, so the first compiled AR step's time is taken as the cost
-of one graph, and a section starts only if its graphs fit before --deadline (else it is listed as skipped). The
-JSON is rewritten after each section: a device run cut short still brings back what it measured.
+size; then a Qwen3-30B-A3B-shaped MoE target (48 layers, 128 experts, top 8): the grouped-GEMM expert path
+checked against the all-experts one, its AR step beside the floor of the weights a token reads, and its verify
+forward per budget. Every section compiles 8B-shaped graphs afresh, so the first compiled AR step's time is taken
+as the cost of one graph, and a section starts only if its graphs fit before --deadline (else it is listed as
+skipped). The JSON is rewritten after each section: a device run cut short still brings back what it measured.
 """
 
 import argparse
@@ -25,10 +27,11 @@ from torch._dynamo.utils import counters
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from benchlib import round_header, round_row, round_split, sync, timed, tree_alone, write_json  # noqa: E402
+from benchlib import (round_header, round_row, round_split, sync, timed, tree_alone, verify_ms,  # noqa: E402
+                      write_json)
 from ddtree import Engine, Speculation, cache_length, generate  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
+from model import Qwen3, Qwen3Config, SparseMoE, grouped_mm_supported, rope_inv_freq  # noqa: E402
 from sampler import Sampling  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -36,6 +39,10 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 max_position_embeddings=40960, tie_word_embeddings=False)
 SMALL = dict(QWEN3_8B, vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+QWEN3_30B_A3B = dict(QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+SMALL_MOE = dict(SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
 
 
 def random_init(module, device, dtype, config):
@@ -64,6 +71,50 @@ def build(shape, device, dtype, block=16, draft_layers=5):
         drafter = DFlashDrafter(dc)
     drafter = random_init(drafter, device, dtype, dc.model)
     return target, drafter.bind(target)
+
+
+def build_moe_target(shape, device, dtype):
+    """A Qwen3-MoE target with random weights on the device, and the bytes a decode step reads: every weight but
+    the experts a row does not route to (top_k of num_experts per sparse layer)."""
+    c = Qwen3Config(**shape)
+    with torch.device("meta"):
+        target = Qwen3(c)
+    target = random_init(target, device, dtype, c)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in target.named_parameters() if ".experts." in n)
+    total = sum(p.numel() * p.element_size() for p in target.parameters())
+    active = total - expert_bytes * (1 - c.num_experts_per_tok / c.num_experts)
+    return target, active
+
+
+def moe_section(a, device, dtype, bandwidth, out, section, t0):
+    """The 30B-A3B-shaped target: the AR step beside the floor of its active weights' bytes, and the verify
+    forward per budget, whose growth with B (more experts touched) decides the best budget on MoE targets."""
+    target, active = build_moe_target(SMALL_MOE if a.small else QWEN3_30B_A3B, device, dtype)
+    floor_ms = active / bandwidth * 1e3
+    moe = out["moe"] = dict(active_weight_gb=active / 1e9, ar_floor_ms=floor_ms, verify_ms={})
+    print(f"MoE target ({'small' if a.small else '30B-A3B-shaped'}): active weights {active / 1e9:.2f} GB per "
+          f"token -> AR floor {floor_ms:.2f} ms", flush=True)
+    mlp = next(layer.mlp for layer in target.layers if isinstance(layer.mlp, SparseMoE))
+    x = torch.randn(64, target.config.hidden_size, device=device, dtype=dtype)
+    ids, weights = mlp.route(x)
+    paths = {"all_experts": mlp.all_experts(x, ids, weights), "gathered": mlp.gathered(x, ids, weights)}
+    if grouped_mm_supported(x):
+        paths["grouped"] = mlp.grouped(x, ids, weights)
+    ref = paths["all_experts"].float()
+    moe["expert_paths_max_diff"] = {k: float((v.float() - ref).abs().max()) for k, v in paths.items()}
+    print(f"MoE expert paths, max |difference| from all experts over 64 rows: {moe['expert_paths_max_diff']} "
+          f"(output scale {float(ref.abs().max()):.3g})", flush=True)
+    mode = "cudagraphs" if device.type == "cuda" else "compiled"
+    if section("MoE AR step", graphs=1):
+        ms, first_s = ar_steps(target, device, mode)
+        moe["ar_ms"], moe["ar_first_call_s"] = ms, first_s
+        print(f"MoE AR step {mode}: {ms:7.2f} ms ({ms / floor_ms:.2f}x the active floor); first call "
+              f"{first_s:.1f} s  [{time.time() - t0:.0f} s]", flush=True)
+    for budget in a.moe_budgets:
+        if section(f"MoE verify B={budget}", graphs=1):
+            moe["verify_ms"][budget] = ms = verify_ms(target, budget, True, a.repeats, prompt_len=512)
+            print(f"MoE verify B={budget:4d}: {ms:8.2f} ms ({ms / moe.get('ar_ms', ms):.1f}x the AR step)  "
+                  f"[{time.time() - t0:.0f} s]", flush=True)
 
 
 def copy_bandwidth(device, gib=1.0):
@@ -126,6 +177,8 @@ def main():
     p.add_argument("--small", action="store_true", help="a small model (to smoke-test the script on a CPU)")
     p.add_argument("--budgets", type=int, nargs="+", default=[512, 64, 1024, 256, 16])  # the paper's first
     p.add_argument("--e2e-budget", type=int, default=64)
+    p.add_argument("--moe-budgets", type=int, nargs="*", default=[16, 64, 256, 512],
+                   help="verify budgets on the 30B-A3B-shaped MoE target (none: skip the MoE section)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--deadline", type=float, default=540,
                    help="seconds: a section starts only if its compiles, at the measured time per graph, end before")
@@ -198,6 +251,11 @@ def main():
             print(f"tree build alone (V={target.config.vocab_size}, depth 15, B=512): heap {t['heap_ms']:.2f} ms, "
                   f"tensor eager {t['tensor_eager_ms']:.2f} ms, compiled {t['tensor_compiled_ms']:.2f} ms, "
                   f"identical: {t['equal']}")
+        if a.moe_budgets:
+            del target, drafter  # the 30B-shaped target (61 GB in bf16) takes the 8B pair's place
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            moe_section(a, device, dtype, bandwidth, out, section, t0)
     sync(device)
     # Graphs that CUDA graph trees refused (mutated inputs they cannot pin, CPU ops, ...) ran uncaptured; the
     # reasons are in the log lines above ("skipping cudagraphs due to ...").
