@@ -44,6 +44,11 @@ METHODS = ("ddtree", "dflash", "ar")
 DEFAULT_BUDGET = 512  # the paper's tree size
 PREFILL_CHUNK = 128  # prompt rows per target forward; fixed so one compiled graph serves every prompt length
 EAGER_CPU_ATTENTION = "sdpa"  # eager CPU engines: "sdpa" (the mask materialized) or "flex" (eager FlexAttention)
+# compile="max-autotune" on the CPU: the engine freezes its weights into its own graphs and lets inductor's autotuner
+# give each matmul its C++ GEMM template (weights prepacked, register-blocked for the row count) where that beats
+# aten's sgemm: the few rows of a draft or a small verify run ~3x faster, at the price of longer compiles
+# (docs/compile.md, "Few-row matmuls on CPU"). On CUDA it is torch.compile's mode of that name.
+CPU_AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 DEFAULT_TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-target")
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-draft")
 INT64_MAX = 2**63 - 1
@@ -71,7 +76,7 @@ class Result:
 
 def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
              budget: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop_ids=None, compile: bool = False,
+             top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop_ids=None, compile: bool | str = False,
              on_tokens=None, draft_temperature: float = 1.0, draft_sampling: bool = False, denoise_steps: int = 1,
              show_tree: bool = False) -> Result:
     """Generate up to `max_new_tokens` after `prompt_ids` (a list of ints or a 1-D integer tensor).
@@ -303,7 +308,7 @@ class Engine:
     # -- construction -------------------------------------------------------------------------------------------
 
     def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, sampling: Sampling,
-                 spec: Speculation, max_seq_len: int, compile: bool, show_tree: bool = False):
+                 spec: Speculation, max_seq_len: int, compile: bool | str, show_tree: bool = False):
         self.target, self.drafter, self.method, self.sampling, self.spec = target, drafter, method, sampling, spec
         self.device, self.max_seq_len, self.show_tree = target.device, max_seq_len, show_tree
         # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
@@ -333,12 +338,20 @@ class Engine:
             # One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the
             # query length fails to build on the CPU (docs/compile.md). CUDA graphs where available.
             mode = "reduce-overhead" if self.device.type == "cuda" else None
+            frozen = compile == "max-autotune" and self.device.type == "cpu"
+            if compile == "max-autotune" and self.device.type == "cuda":
+                mode = "max-autotune"  # CUDA graphs too
             # Every Engine compiles the same methods, so they share one cache per method: an engine whose tensors
             # and settings match an earlier one's reuses its graphs (which read the models and masks through
             # `self` at each call). Room for a few engines (settings, budgets) before dynamo falls back to eager.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            steps = (self.prefill_step, self.round)
+            if frozen:
+                steps = frozen_steps(*steps)
             self.prefill_step, self.round = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
-                                             for f in (self.prefill_step, self.round))
+                                             for f in steps)
+            if frozen:
+                self.prefill_step, self.round = (with_cpu_autotune(f) for f in (self.prefill_step, self.round))
 
     def warm_up(self) -> float:
         """Compile a new compiled engine's steps by running each once on a one-token dummy prompt; returns the
@@ -351,6 +364,22 @@ class Engine:
         self.step()
         self.warm = True
         return time.perf_counter() - t0
+
+
+def frozen_steps(prefill_step, round_):
+    """The steps as closures over this engine: dynamo then reaches the weights through the closure and inlines
+    them as constants (frozen), and guards on this engine's identity, so no other engine reuses these graphs."""
+    return (lambda *a: prefill_step(*a)), (lambda *a: round_(*a))
+
+
+def with_cpu_autotune(compiled):
+    """Run a compiled step under CPU_AUTOTUNE_OPTIONS. Dynamo reads `freezing` while it traces, at the first call
+    (and at any recompile), not when torch.compile is called: torch.compile(options=...) does not freeze (torch
+    2.13), so the options are set around each call, and nothing else in the process sees them."""
+    def run(*args):
+        with torch._inductor.config.patch(CPU_AUTOTUNE_OPTIONS):
+            return compiled(*args)
+    return run
 
 
 _ENGINES: dict = {}
@@ -420,8 +449,8 @@ def check_request(target, drafter, prompt_ids, stop_ids, method, max_new_tokens,
     check_int("max_new_tokens", max_new_tokens, 1)
     if seed is not None:
         check_int("seed", seed, 0)
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile must be True or False, got {compile!r}")
+    if not isinstance(compile, bool) and compile != "max-autotune":
+        raise TypeError(f"compile must be True, False or 'max-autotune', got {compile!r}")
     if on_tokens is not None and not callable(on_tokens):
         raise TypeError(f"on_tokens must be a function of a list of token ids, got {on_tokens!r}")
     limit = target.config.max_position_embeddings
@@ -526,7 +555,9 @@ def parse_args(argv):
     p.add_argument("--seed", default=None)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the checkpoint's chat template (default: on when it has one)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--max-autotune", action="store_true",
+                   help="compile with autotuned matmuls (CPU: frozen weights, C++ GEMM templates; longer compile)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -571,8 +602,15 @@ def settings_from_args(args) -> dict:
     return given
 
 
+def compile_mode(args) -> bool | str:
+    if args.max_autotune and args.compile is False:
+        raise ValueError("--max-autotune compiles: it cannot go with --no-compile")
+    return "max-autotune" if args.max_autotune else bool(args.compile)
+
+
 def run_cli(args) -> int:
     settings = settings_from_args(args)  # before loading anything
+    compile_mode(args)
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -593,7 +631,7 @@ def run_cli(args) -> int:
                                                 dtype=target.dtype)
     streamer = Streamer(text, None if args.json else sys.stdout)
     try:
-        res = generate(target, drafter, prompt_ids, method=args.method, compile=args.compile, on_tokens=streamer,
+        res = generate(target, drafter, prompt_ids, method=args.method, compile=compile_mode(args), on_tokens=streamer,
                        **settings)
     except KeyboardInterrupt:
         # What was committed stays printed; the summary says where it stopped. 130 = 128 + SIGINT, as shells do.

@@ -58,18 +58,18 @@ class HostReads:
                 setattr(torch.Tensor, name, method)
 
 
-def compiled_equals_eager(run, cases):
-    """run(case, compile) -> Result. The first compiled case warms up; after it, every compiled case must give
-    eager's tokens with no new graph, no graph break and one host read per round (plus a request's one: see
-    HostReads). Returns the results after warm-up."""
+def compiled_equals_eager(run, cases, mode=True):
+    """run(case, compile) -> Result. The first compiled case (compile=mode: True or "max-autotune") warms up; after
+    it, every compiled case must give eager's tokens with no new graph, no graph break and one host read per round
+    (plus a request's one: see HostReads). Returns the results after warm-up."""
     from torch._dynamo.utils import counters
     eager = [run(c, compile=False).tokens for c in cases]
-    warm = run(cases[0], compile=True)
+    warm = run(cases[0], compile=mode)
     counters.clear()  # after warm-up: every later round must reuse the graphs, whatever the prompt length
     runs = []
     for c in cases[1:]:
         with HostReads() as reads:
-            runs.append(run(c, compile=True))
+            runs.append(run(c, compile=mode))
         assert reads.count == runs[-1].stats["rounds"] + 1, (reads.count, runs[-1].stats["rounds"])
     assert [warm.tokens] + [r.tokens for r in runs] == eager
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])

@@ -154,6 +154,7 @@ def test_chat_template_renders_like_transformers(checkpoint):
     (["--top-p", "1.01"], "top_p"),
     (["--budget", "1.5"], "--budget must be an integer"),
     (["--budget", "0"], "budget"),
+    (["--max-autotune", "--no-compile"], "--max-autotune compiles"),
     (["--budget", "-3"], "budget"),
     (["--max-new-tokens", "100000"], "max_position_embeddings"),
     (["--top-k", "x"], "--top-k must be an integer"),

@@ -132,6 +132,26 @@ def test_compiled_equals_eager_without_recompiles(models):
         assert sum(r.stats["rounds"] for r in runs) >= 100, [r.stats["rounds"] for r in runs]
 
 
+def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_path):
+    # compile="max-autotune" on the CPU: frozen weights and autotuned matmuls (inductor's C++ GEMM templates where
+    # they win), the same tokens as eager, one host read per round, nothing recompiled; then the same settings
+    # on another target of the same shape (its weights frozen into graphs of its own): its own eager tokens,
+    # and the options never left in inductor's global config.
+    import torch._inductor.config as inductor
+    target, drafters = models
+    cases = list(zip(prompts(3, seed=13), (10, 60, 60)))
+    kw = dict(method="ddtree", budget=3)
+    compiled_equals_eager(lambda c, compile: greedy(target, drafters[5], c[0], max_new_tokens=c[1], compile=compile,
+                                                    **kw), cases, "max-autotune")
+    _, tc = files
+    save_checkpoint(str(tmp_path / "other"), tc, random_qwen3_weights(tc, seed=5, std=0.35), eos_ids=[1])
+    other = Qwen3.from_pretrained(str(tmp_path / "other"), device="cpu")
+    eager = greedy(other, drafters[5], cases[1][0], max_new_tokens=30, **kw).tokens
+    assert eager != greedy(target, drafters[5], cases[1][0], max_new_tokens=30, **kw).tokens
+    assert greedy(other, drafters[5], cases[1][0], max_new_tokens=30, compile="max-autotune", **kw).tokens == eager
+    assert not inductor.freezing and not inductor.max_autotune
+
+
 def test_engine_decides_tree_builder_and_attention_once(models):
     """Eager engines build trees with the paper's heap and hand SDPA the materialized mask (on the CPU); compiled
     engines use the tensor builder and FlexAttention: chosen in the constructor, the same for every call."""
@@ -261,10 +281,11 @@ def test_method_needs_a_drafter(models):
         generate(target, None, [1, 2], method="dflash")
 
 
-def test_compiled_engines_share_graphs_but_run_their_own_models(files, models, tmp_path):
-    # Every engine compiles the same methods into one shared cache, so an engine may reuse another's graphs;
-    # it must still run its own models. Two targets of one shape with different weights, alternated: each
-    # compiled output equals its own eager output, and switching targets compiles nothing new.
+def test_compiled_engines_run_their_own_models(files, models, tmp_path, mode=True):
+    # Compiled engines share graphs (compile=True: the weights are graph inputs; compile="max-autotune" on the CPU
+    # holds them as constants, frozen, per engine): an engine must run its own models. Two targets of one shape
+    # with different weights, alternated: each compiled output equals its own eager output, and once both
+    # engines are warm, switching targets compiles nothing new.
     from torch._dynamo.utils import counters
     _, tc = files
     save_checkpoint(str(tmp_path / "other"), tc, random_qwen3_weights(tc, seed=5, std=0.35), eos_ids=[1])
@@ -274,8 +295,9 @@ def test_compiled_engines_share_graphs_but_run_their_own_models(files, models, t
     kw = dict(method="ddtree", budget=6, max_new_tokens=12)
     eager = {id(t): greedy(t, drafters[5], prompt, **kw).tokens for t in (target, other)}
     assert eager[id(target)] != eager[id(other)]
-    assert greedy(target, drafters[5], prompt, compile=True, **kw).tokens == eager[id(target)]
+    for t in (target, other):
+        assert greedy(t, drafters[5], prompt, compile=mode, **kw).tokens == eager[id(t)]
     counters.clear()
-    for t in (other, target, other):
-        assert greedy(t, drafters[5], prompt, compile=True, **kw).tokens == eager[id(t)]
+    for t in (target, other, target):
+        assert greedy(t, drafters[5], prompt, compile=mode, **kw).tokens == eager[id(t)]
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])

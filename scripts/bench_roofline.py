@@ -1,0 +1,162 @@
+"""A roofline for this machine: each stage of a compiled DDTree round beside its floor.
+
+    python scripts/bench_roofline.py [--budgets 4 16] [--rows 1 5 17 65] [--json out.json]
+
+Measured first: the peak GEMM rate (the best of MKL's and oneDNN's large fp32 matmul) and the read bandwidth at
+the working-set size of each stage's weights (the bundled pair's 17 MB fit the L3 cache of most server CPUs, so
+the floor of a forward is the cache's bandwidth, not DRAM's). A stage's floor is max(bytes it must read /
+bandwidth, FLOPs / peak); the table prints the measured time, the floor and their ratio:
+- verify at 1 / 5 / 17 / 65 rows (a decode step, then B = 4 / 16 / 64 trees): every target weight once, the KV
+  cache, 2 x rows x weights FLOPs;
+- per budget, the round's stages as the engine runs them (benchlib.round_split): draft (the drafter's block
+  pass and the lm_head at block_size rows), tree + mask + walk (its floor: reading the draft and verify logits),
+  compaction (moving the accepted rows' K/V), context (the drafter's K/V of the committed tokens);
+- few-row linears alone, at the pair's weight shapes: F.linear (MKL's sgemm, what aten runs for fp32), oneDNN
+  with the weight prepacked (torch.ops.mkldnn), and the one-row multiply-reduce the engine compiles
+  (model.CPU_ONE_ROW_REDUCTION): what a faster few-row path could reach.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from benchlib import round_split, verify_ms, write_json  # noqa: E402
+from drafter import DFlashDrafter  # noqa: E402
+from model import Linear, Qwen3  # noqa: E402
+
+TARGET, DRAFT = os.path.join(ROOT, "assets", "tiny-target"), os.path.join(ROOT, "assets", "tiny-draft")
+
+
+def median_ms(fn, repeats: int, inner: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t) / inner * 1e3)
+    return statistics.median(times)
+
+
+def peak_flops(repeats: int) -> dict:
+    """FLOP/s of a large square fp32 matmul through MKL (aten) and oneDNN (prepacked); the faster is the peak."""
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
+    out = {"mkl": 2 * n**3 / median_ms(lambda: a @ b.T, repeats, 2) * 1e3,
+           "onednn": 2 * n**3 / median_ms(lambda: onednn(a, packed), repeats, 2) * 1e3}
+    out["peak"] = max(out.values())
+    return out
+
+
+def bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes per second read by a sum over nbytes of fp32 (repeated: the data stays in whichever cache holds it)."""
+    t = torch.randn(max(nbytes // 4, 1024))
+    return t.numel() * 4 / median_ms(lambda: t.sum(), repeats) * 1e3
+
+
+def onednn(x, packed):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+
+
+def linear_bytes(module) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in module.modules() if isinstance(m, Linear))
+
+
+def floor_ms(nbytes: float, flops: float, bw: float, peak: float) -> float:
+    return max(nbytes / bw, flops / peak) * 1e3
+
+
+def linear_table(target, rows_list, repeats):
+    """ms per few-row linear at the target's weight shapes: MKL, oneDNN prepacked, compiled one-row reduce."""
+    shapes = sorted({tuple(m.weight.shape) for m in target.modules() if isinstance(m, Linear)}, key=lambda s: -s[0] * s[1])
+    reduce = torch.compile(lambda x, w: (x[:, None, :] * w[None]).sum(-1), dynamic=False)
+    table = []
+    for shape in shapes:
+        w = torch.randn(shape) * 0.02
+        for rows in rows_list:
+            x = torch.randn(rows, shape[1])
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+            row = {"shape": list(shape), "rows": rows,
+                   "mkl": median_ms(lambda: torch.nn.functional.linear(x, w), repeats),
+                   "onednn": median_ms(lambda: onednn(x, packed), repeats)}
+            if rows == 1:
+                row["reduce"] = median_ms(lambda: reduce(x, w), repeats)
+            table.append(row)
+    return table
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=TARGET)
+    p.add_argument("--draft", default=DRAFT)
+    p.add_argument("--budgets", type=int, nargs="+", default=[4, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 17, 65], help="verify rows (budget + 1)")
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    out = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    with torch.inference_mode():
+        target = Qwen3.from_pretrained(a.target, device="cpu")
+        drafter = DFlashDrafter.from_pretrained(a.draft, device="cpu").bind(target)
+        c = target.config
+        peak = out["gemm_flops"] = peak_flops(a.repeats)
+        print(f"{out['threads']} threads, fp32. Peak GEMM (2048^3): MKL {peak['mkl'] / 1e9:.0f} GFLOP/s, oneDNN "
+              f"{peak['onednn'] / 1e9:.0f} GFLOP/s")
+        wt, wl = linear_bytes(target), target.lm_head.weight.numel() * 4
+        wd = linear_bytes(drafter) + wl  # the drafter's own layers, then the target's lm_head
+        bw = out["bandwidth"] = {"target": bandwidth(wt, a.repeats), "draft": bandwidth(wd, a.repeats),
+                                 "dram_1gib": bandwidth(2**30, 3)}
+        print(f"read bandwidth: {bw['target'] / 1e9:.0f} GB/s at the target's {wt / 1e6:.1f} MB, "
+              f"{bw['draft'] / 1e9:.0f} GB/s at the draft pass's {wd / 1e6:.1f} MB, {bw['dram_1gib'] / 1e9:.0f} GB/s "
+              f"over 1 GiB\n")
+        kv_row = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # K and V bytes per position
+        stages = out["stages"] = []
+
+        def report(name, ms, nbytes, flops, bandwidth_):
+            f = floor_ms(nbytes, flops, bandwidth_, peak["peak"])
+            stages.append({"stage": name, "ms": ms, "floor_ms": f, "ratio": ms / f})
+            print(f"{name:28s} {ms:9.3f} {f:9.3f} {ms / f:8.1f}x", flush=True)
+
+        print(f"{'stage (compiled)':28s} {'ms':>9s} {'floor ms':>9s} {'ratio':>9s}")
+        for rows in a.rows:
+            ms = verify_ms(target, rows - 1, True, a.repeats, prompt_len=a.prompt_len)
+            ctx = a.prompt_len + rows
+            attn = 4 * rows * ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+            report(f"verify {rows} rows", ms, wt + ctx * kv_row, 2 * rows * wt / 4 + attn, bw["target"])
+        block = drafter.config.block_size
+        for budget in a.budgets:
+            ms = round_split(target, drafter, budget, True, a.repeats, prompt_len=a.prompt_len)
+            out.setdefault("rounds", {})[budget] = ms
+            print(f"-- round at B = {budget}: {ms['round']:.3f} ms compiled")
+            report(f"  draft ({block} rows)", ms["draft"], wd, 2 * block * wd / 4, bw["draft"])
+            report(f"  verify ({budget + 1} rows)", ms["verify"], wt, 2 * (budget + 1) * wt / 4, bw["target"])
+            logits = (block + budget + 1) * c.vocab_size * 4  # the tree reads the draft's, the walk the verify's
+            report("  tree + mask + walk (eager)", ms["tree"] + ms["mask"] + ms["walk"], logits, 0, bw["dram_1gib"])
+            depth = block  # at most the accepted path's length of rows moves
+            report("  compact (eager)", ms["compact"], 2 * depth * kv_row, 0, bw["dram_1gib"])
+            ctx_bytes = sum(m.weight.numel() * 4 for n, m in drafter.named_modules()
+                            if isinstance(m, Linear) and (n == "fc" or n.endswith(("k_proj", "v_proj"))))
+            report("  context", ms["context"], ctx_bytes, 2 * depth * ctx_bytes / 4, bw["draft"])
+        print(f"\nfew-row linear, ms (rows x weight [out, in], fp32): MKL sgemm / oneDNN prepacked / compiled "
+              "one-row reduce")
+        table = out["linears"] = linear_table(target, a.rows, a.repeats)
+        for row in table:
+            extra = f" {row['reduce']:8.3f}" if "reduce" in row else ""
+            print(f"{row['rows']:4d} x {str(row['shape']):13s} {row['mkl']:8.3f} {row['onednn']:8.3f}{extra}")
+    if a.json:
+        write_json(a.json, out)
+
+
+if __name__ == "__main__":
+    main()
