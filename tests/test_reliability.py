@@ -413,6 +413,18 @@ def assert_one_error_line(code, err, message):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--method", "ar", "--target", "/no/such/dir"], "no such directory"),
+    (["--method", "ar", "--prompt", ""], "prompt is empty"),
+    (["--method", "ar", "--temperature", "-1"], "temperature"),
+    (["--method", "ar", "--top-p", "0"], "top_p"),
+    (["--method", "ar", "--top-p", "1.01"], "top_p"),
+    (["--budget", "1.5"], "--budget must be an integer"),
+    (["--budget", "0"], "budget"),
+    (["--max-autotune", "--no-compile"], "--max-autotune compiles"),
+    (["--budget", "-3"], "budget"),
+    (["--method", "ar", "--max-new-tokens", "100000"], "max_position_embeddings"),
+    (["--method", "ar", "--top-k", "x"], "--top-k must be an integer"),
+    (["--method", "ar", "--dtype", "int8"], "unknown dtype"),
     (["--method", "dflash", "--budget", "4"], "--budget does not apply to method 'dflash'"),
     (["--method", "ar", "--budget", "4"], "--budget does not apply to method 'ar'"),
     (["--method", "ar", "--show-tree"], "--show-tree does not apply"),
