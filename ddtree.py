@@ -336,22 +336,18 @@ class Engine:
         self.warm = not compile
         if compile:
             # One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the
-            # query length fails to build on the CPU (docs/compile.md). CUDA graphs where available.
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            frozen = compile == "max-autotune" and self.device.type == "cpu"
-            if compile == "max-autotune" and self.device.type == "cuda":
-                mode = "max-autotune"  # CUDA graphs too
-            # Every Engine compiles the same methods, so they share one cache per method: an engine whose tensors
-            # and settings match an earlier one's reuses its graphs (which read the models and masks through
-            # `self` at each call). Room for a few engines (settings, budgets) before dynamo falls back to eager.
+            # query length fails to build on the CPU (docs/compile.md). Engines compile the same methods, so they
+            # share one cache per method: an engine whose tensors and settings match an earlier one's reuses its
+            # graphs (which read the models and masks through `self` at each call); frozen graphs are per engine.
+            # Room for a few engines (settings, budgets) before dynamo falls back to eager.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             steps = (self.prefill_step, self.round)
-            if frozen:
-                steps = frozen_steps(*steps)
-            self.prefill_step, self.round = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
-                                             for f in steps)
-            if frozen:
-                self.prefill_step, self.round = (with_cpu_autotune(f) for f in (self.prefill_step, self.round))
+            if compile == "max-autotune" and self.device.type == "cpu":
+                self.prefill_step, self.round = (compile_frozen(f) for f in steps)
+            else:  # CUDA graphs where available ("max-autotune" includes them)
+                mode = None if self.device.type == "cpu" else ("reduce-overhead" if compile is True else compile)
+                self.prefill_step, self.round = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
+                                                 for f in steps)
 
     def warm_up(self) -> float:
         """Compile a new compiled engine's steps by running each once on a one-token dummy prompt; returns the
@@ -366,16 +362,14 @@ class Engine:
         return time.perf_counter() - t0
 
 
-def frozen_steps(prefill_step, round_):
-    """The steps as closures over this engine: dynamo then reaches the weights through the closure and inlines
-    them as constants (frozen), and guards on this engine's identity, so no other engine reuses these graphs."""
-    return (lambda *a: prefill_step(*a)), (lambda *a: round_(*a))
+def compile_frozen(step):
+    """`step` compiled under CPU_AUTOTUNE_OPTIONS, its weights frozen into its graphs. It is compiled as a closure:
+    dynamo then reaches the weights through the closure, inlines them as constants and guards on this engine's
+    step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first call (and
+    at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze (torch
+    2.13): so the options are set around each call, and nothing else in the process sees them."""
+    compiled = torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
 
-
-def with_cpu_autotune(compiled):
-    """Run a compiled step under CPU_AUTOTUNE_OPTIONS. Dynamo reads `freezing` while it traces, at the first call
-    (and at any recompile), not when torch.compile is called: torch.compile(options=...) does not freeze (torch
-    2.13), so the options are set around each call, and nothing else in the process sees them."""
     def run(*args):
         with torch._inductor.config.patch(CPU_AUTOTUNE_OPTIONS):
             return compiled(*args)
