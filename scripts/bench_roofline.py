@@ -27,22 +27,16 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from benchlib import round_split, verify_ms, write_json  # noqa: E402
+from benchlib import round_split, timed, verify_ms, write_json  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Linear, Qwen3  # noqa: E402
 
+CPU = torch.device("cpu")
 TARGET, DRAFT = os.path.join(ROOT, "assets", "tiny-target"), os.path.join(ROOT, "assets", "tiny-draft")
 
 
-def median_ms(fn, repeats: int, inner: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t) / inner * 1e3)
-    return statistics.median(times)
+def median_ms(fn, repeats: int) -> float:
+    return timed(fn, CPU, repeats)[0]
 
 
 def peak_flops(repeats: int) -> dict:
@@ -50,8 +44,8 @@ def peak_flops(repeats: int) -> dict:
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
     packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
-    out = {"mkl": 2 * n**3 / median_ms(lambda: a @ b.T, repeats, 2) * 1e3,
-           "onednn": 2 * n**3 / median_ms(lambda: onednn(a, packed), repeats, 2) * 1e3}
+    out = {"mkl": 2 * n**3 / median_ms(lambda: a @ b.T, repeats) * 1e3,
+           "onednn": 2 * n**3 / median_ms(lambda: onednn(a, packed), repeats) * 1e3}
     out["peak"] = max(out.values())
     return out
 
@@ -59,7 +53,7 @@ def peak_flops(repeats: int) -> dict:
 def bandwidth(nbytes: int, repeats: int) -> float:
     """Bytes per second read by a sum over nbytes of fp32 (repeated: the data stays in whichever cache holds it)."""
     t = torch.randn(max(nbytes // 4, 1024))
-    return t.numel() * 4 / median_ms(lambda: t.sum(), repeats) * 1e3
+    return t.numel() * 4 / median_ms(lambda: t.sum(), 20 * repeats) * 1e3
 
 
 def onednn(x, packed):
@@ -85,10 +79,10 @@ def linear_table(target, rows_list, repeats):
             x = torch.randn(rows, shape[1])
             packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
             row = {"shape": list(shape), "rows": rows,
-                   "mkl": median_ms(lambda: torch.nn.functional.linear(x, w), repeats),
-                   "onednn": median_ms(lambda: onednn(x, packed), repeats)}
+                   "mkl": median_ms(lambda: torch.nn.functional.linear(x, w), 20 * repeats),
+                   "onednn": median_ms(lambda: onednn(x, packed), 20 * repeats)}
             if rows == 1:
-                row["reduce"] = median_ms(lambda: reduce(x, w), repeats)
+                row["reduce"] = median_ms(lambda: reduce(x, w), 20 * repeats)
             table.append(row)
     return table
 
@@ -135,6 +129,8 @@ def main():
             attn = 4 * rows * ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers
             report(f"verify {rows} rows", ms, wt + ctx * kv_row, 2 * rows * wt / 4 + attn, bw["target"])
         block = drafter.config.block_size
+        ctx_bytes = sum(m.weight.numel() * 4 for n, m in drafter.named_modules()  # fc and the K/V projections
+                        if isinstance(m, Linear) and (n == "fc" or n.endswith(("k_proj", "v_proj"))))
         for budget in a.budgets:
             ms = round_split(target, drafter, budget, True, a.repeats, prompt_len=a.prompt_len)
             out.setdefault("rounds", {})[budget] = ms
@@ -145,8 +141,6 @@ def main():
             report("  tree + mask + walk (eager)", ms["tree"] + ms["mask"] + ms["walk"], logits, 0, bw["dram_1gib"])
             depth = block  # at most the accepted path's length of rows moves
             report("  compact (eager)", ms["compact"], 2 * depth * kv_row, 0, bw["dram_1gib"])
-            ctx_bytes = sum(m.weight.numel() * 4 for n, m in drafter.named_modules()
-                            if isinstance(m, Linear) and (n == "fc" or n.endswith(("k_proj", "v_proj"))))
             report("  context", ms["context"], ctx_bytes, 2 * depth * ctx_bytes / 4, bw["draft"])
         print(f"\nfew-row linear, ms (rows x weight [out, in], fp32): MKL sgemm / oneDNN prepacked / compiled "
               "one-row reduce")
