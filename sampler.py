@@ -3,6 +3,9 @@
 Everything here runs inside torch.compile'd code (fullgraph=True): no `.item()`, no Python branching on tensor
 values. Branching on the `Sampling` fields is fine: they are Python constants, baked into the graph.
 
+Shapes: warping and sampling act on the last dim of [..., V]; the verifiers take an optional leading batch dim
+N (independent requests, one graph), each row equal to the unbatched call on it.
+
 All randomness comes in as explicit tensors (Exponential(1) noise for categorical draws, uniforms for accept
 tests) drawn outside compiled code from a seeded torch.Generator, so that compiled code, eager code and the
 plain-Python reference verifiers in tests/test_sampler.py can be fed identical randomness and compared exactly.
@@ -147,6 +150,8 @@ def verify_chain_sampled(p: Tensor, q: Tensor, drafts: Tensor, accept_u: Tensor,
     p: [L+1, V] warped target probs (row i: after i drafts; row L gives the bonus token), q: [L, V] warped
     draft probs, drafts: [L] long with drafts[i] ~ q[i], accept_u: [L] Uniform[0, 1), noise: [L+1, V] Exp(1).
     Returns (n_accepted, next_token), both 0-d long: drafts[:n_accepted] are accepted and next_token follows.
+    A leading batch dim N on every input verifies N independent chains: both outputs are then [N], and row n
+    equals the unbatched call on row n.
 
     Draft i is accepted iff accept_u[i] * q_i(x) < p_i(x) (= prob min(1, p/q), never divides; q(x) = 0 accepts
     iff p(x) > 0). The product is taken in float64, where a product of two float32 numbers is exact, so the test
@@ -154,18 +159,20 @@ def verify_chain_sampled(p: Tensor, q: Tensor, drafts: Tensor, accept_u: Tensor,
     max(0, p_j - q_j) with noise[j]; if that residual is all zero (p_j <= q_j everywhere, only possible through
     rounding) it falls back to p_j. All L accepted: next_token ~ p_L with noise[L].
     """
-    L = drafts.shape[0]
+    L = drafts.shape[-1]
     d = drafts.unsqueeze(-1)
-    px = p[:L].gather(-1, d).squeeze(-1).double()
+    p_drafted = p[..., :L, :]
+    px = p_drafted.gather(-1, d).squeeze(-1).double()
     qx = q.gather(-1, d).squeeze(-1).double()
     accept = accept_u.double() * qx < px
-    n = accept.long().cumprod(0).sum()  # length of the leading run of accepts
-    resid = (p[:L] - q).clamp_min(0)
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p[:L])
+    n = accept.long().cumprod(-1).sum(-1)  # length of the leading run of accepts
+    resid = (p_drafted - q).clamp_min(0)
+    # sum > 0 iff some entry is positive, whatever the summation order: the fallback is the same batched or not
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_drafted)
     # Draw a candidate at every position (static shapes) and pick the one where the chain stopped.
-    cand = sample(torch.cat([resid, p[L:]], 0), noise)
+    cand = sample(torch.cat([resid, p[..., L:, :]], -2), noise)
     # gather, not cand[n]: indexing with a 0-d tensor would become .item() under torch.compile
-    return n, cand.gather(0, n.view(1)).squeeze(0)
+    return n, cand.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
 def walk_tree(parents: Tensor, tokens: Tensor, target: Tensor, max_depth: int):
@@ -177,20 +184,23 @@ def walk_tree(parents: Tensor, tokens: Tensor, target: Tensor, max_depth: int):
     depth must be <= max_depth (deeper nodes are never accepted).
 
     Returns path [max_depth+1] (accepted rows from the root down, path[0] = 0, padded with 0), length (0-d,
-    = 1 + accepted nodes) and next_token = target[last accepted row]; all long.
+    = 1 + accepted nodes) and next_token = target[last accepted row]; all long. A leading batch dim N (parents
+    and tokens [N, B], target [N, B+1]) walks N independent trees: path [N, max_depth+1], length and next_token
+    [N].
     """
-    B = parents.shape[0]
+    B = parents.shape[-1]
     real = parents >= 0
     par = parents.clamp_min(0)
-    match = real & (tokens == target[par])  # node's token is what the target chose at its parent
-    acc = torch.zeros(B + 1, dtype=torch.bool, device=parents.device)
-    acc[0] = True
+    match = real & (tokens == target.gather(-1, par))  # node's token is what the target chose at its parent
+    acc = torch.zeros(target.shape, dtype=torch.bool, device=parents.device)
+    acc[..., 0] = True
     # Round k settles every node of depth <= k: accepted iff its parent is accepted and it matches.
     for _ in range(max_depth):
-        acc = torch.cat([acc[:1], acc[par] & match])
-    rows = torch.arange(B + 1, device=parents.device)
+        acc = torch.cat([acc[..., :1], acc.gather(-1, par) & match], -1)
+    rows = torch.arange(B + 1, device=parents.device).expand(target.shape)
     # Parents precede children, so the accepted rows in index order are the path in depth order.
-    slot = torch.where(acc, acc.long().cumsum(0) - 1, max_depth + 1)  # rejected rows go to a scratch slot
-    path = torch.zeros(max_depth + 2, dtype=torch.long, device=parents.device).scatter(0, slot, rows)
-    last = torch.where(acc, rows, 0).amax()
-    return path[: max_depth + 1], acc.long().sum(), target.gather(0, last.view(1)).squeeze(0)
+    slot = torch.where(acc, acc.long().cumsum(-1) - 1, max_depth + 1)  # rejected rows go to a scratch slot
+    path = torch.zeros(*target.shape[:-1], max_depth + 2, dtype=torch.long, device=parents.device)
+    path = path.scatter(-1, slot, rows)
+    last = torch.where(acc, rows, 0).amax(-1, keepdim=True)
+    return path[..., : max_depth + 1], acc.long().sum(-1), target.gather(-1, last).squeeze(-1)

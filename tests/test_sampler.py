@@ -418,11 +418,8 @@ def test_walk_tree_equals_reference():
             target_ref = target.tolist()
         assert target.tolist() == target_ref
         if rnd.random() < 0.4:  # make the target follow the tree down to a random row: long accepted paths
-            r = rnd.randrange(len(parents) + 1)
             target = target.clone()
-            while r > 0 and parents[r - 1] >= 0:
-                target[parents[r - 1]] = tokens[r - 1]
-                r = parents[r - 1]
+            follow_tree(target, parents, tokens, rnd.randrange(len(parents) + 1))
         max_depth = depth + rnd.randint(0, 2)
         P, T = torch.tensor(parents, dtype=torch.long), torch.tensor(tokens, dtype=torch.long)
         path, length, nxt = walk_tree(P, T, target, max_depth)
@@ -432,6 +429,56 @@ def test_walk_tree_equals_reference():
         assert int(length) == len(ref_path), case
         assert path.tolist() == ref_path + [0] * (max_depth + 1 - len(ref_path)), case
         assert int(nxt) == ref_next, case
+
+
+def follow_tree(target, parents, tokens, row):
+    """Make the target choose the tree's tokens on the way down to `row`, so the walk accepts the whole path."""
+    while row > 0 and parents[row - 1] >= 0:
+        target[parents[row - 1]] = tokens[row - 1]
+        row = parents[row - 1]
+
+
+def test_verify_chain_sampled_batched_equals_each_row():
+    rnd, g = random.Random(2), torch.Generator().manual_seed(2)
+    for case in range(150):
+        N, V, L = rnd.randint(1, 4), rnd.randint(1, 6), rnd.randint(1, 6)
+        s = random_sampling(rnd)
+        p = warp_probs(3 * torch.randn(N, L + 1, V, generator=g), s)
+        q = warp_probs(3 * torch.randn(N, L, V, generator=g), s)
+        q[0] = p[0, :L]  # q = p: every draft accepted, and a residual of zeros
+        drafts = sample(q, draw_noise((N, L, V), g, "cpu"))
+        drafts[-1] = torch.randint(0, V, (L,), generator=g)  # arbitrary drafts, q(x) = 0 possible
+        accept_u = torch.rand(N, L, generator=g)
+        ratio = (p[:, :L].gather(-1, drafts[..., None]) / q.gather(-1, drafts[..., None])).squeeze(-1)
+        on_boundary = (ratio < 1) & (torch.rand(N, L, generator=g) < 0.3)  # u = p/q rounded
+        accept_u = torch.where(on_boundary, ratio, accept_u)
+        noise = draw_noise((N, L + 1, V), g, "cpu")
+        n, t = verify_chain_sampled(p, q, drafts, accept_u, noise)
+        assert n.dtype == t.dtype == torch.long and n.shape == t.shape == (N,)
+        for i in range(N):
+            want = verify_chain_sampled(p[i], q[i], drafts[i], accept_u[i], noise[i])
+            assert torch.equal(n[i], want[0]) and torch.equal(t[i], want[1]), (case, i)
+
+
+def test_walk_tree_batched_equals_each_row():
+    rnd, g = random.Random(3), torch.Generator().manual_seed(3)
+    for case in range(150):
+        N, V, B = rnd.randint(1, 4), rnd.randint(1, 5), rnd.randint(0, 12)
+        trees = []
+        for _ in range(N):  # each row its own shape of tree and padding, all B nodes long
+            n_pad = rnd.randint(0, B)
+            trees.append(random_tree(rnd, V, B - n_pad, n_pad))
+        parents = torch.tensor([t[0] for t in trees], dtype=torch.long).view(N, B)
+        tokens = torch.tensor([t[1] for t in trees], dtype=torch.long).view(N, B)
+        target = torch.randint(0, V, (N, B + 1), generator=g)
+        for row, (par, tok, _) in zip(target, trees):
+            follow_tree(row, par, tok, rnd.randrange(B + 1))
+        max_depth = max(t[2] for t in trees) + rnd.randint(0, 2)
+        path, length, nxt = walk_tree(parents, tokens, target, max_depth)
+        assert path.shape == (N, max_depth + 1) and length.shape == nxt.shape == (N,)
+        for i in range(N):
+            want = walk_tree(parents[i], tokens[i], target[i], max_depth)
+            assert all(torch.equal(x, y) for x, y in zip((path[i], length[i], nxt[i]), want)), (case, i)
 
 
 def test_walk_tree_accepts_whole_matching_chain():
@@ -514,7 +561,7 @@ def test_warp_probs_matches_transformers(case):
     torch.testing.assert_close(warp_probs(logits, s), scores.softmax(-1)[0], atol=1e-6, rtol=0)
 
 
-def test_warp_is_vectorized_over_leading_dims():
+def test_warp_and_sample_are_vectorized_over_leading_dims():
     g = torch.Generator().manual_seed(0)
     logits = 2 * torch.randn(2, 3, 11, generator=g)
     logits[0, 1, :5] = -math.inf
@@ -522,6 +569,9 @@ def test_warp_is_vectorized_over_leading_dims():
         batched = warp_probs(logits, s)
         rows = torch.stack([warp_probs(r, s) for r in logits.reshape(-1, 11)]).reshape(2, 3, 11)
         assert torch.equal(batched, rows)
+        noise = draw_noise((2, 3, 11), g, "cpu")
+        drawn = torch.stack([sample(r, e) for r, e in zip(rows.reshape(-1, 11), noise.reshape(-1, 11))])
+        assert torch.equal(sample(batched, noise), drawn.reshape(2, 3))
 
 
 def test_warp_hand_computed_cases():
