@@ -27,6 +27,9 @@ not counted in the budget; node i, 0-based, is row i + 1), in pop order so paren
     depths  [B] int64  1 for children of the root
 When fewer than B prefixes exist (V^1 + ... + V^L < B) the tail is padding: token 0, parent -1, depth 0.
 
+Batches: logq [N, L, V] holds N independent requests; every output (and ancestor_matrix's) gains the leading N,
+and row n equals the unbatched call on logq[n], bit for bit. An unbatched call is the batch of one.
+
 logq must hold log-probabilities (<= 0, no NaN); -inf (probability 0) is fine.
 """
 
@@ -63,7 +66,7 @@ def order_key(score: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
 
 def topk_per_depth(logq: torch.Tensor, k: int):
     """The k best tokens of every depth in rank order (log-prob descending, token id ascending).
-    Returns (values [L, k] float32, token ids [L, k] int64)."""
+    logq [..., L, V]; returns (values [..., L, k] float32, token ids [..., L, k] int64)."""
     logq = logq.float()
     tok = torch.arange(logq.shape[-1], device=logq.device)
     ids = order_key(logq, tok.expand_as(logq)).topk(k, dim=-1).indices
@@ -71,8 +74,11 @@ def topk_per_depth(logq: torch.Tensor, k: int):
 
 
 def build_tree_heap(logq: torch.Tensor, budget: int):
-    """Algorithm 1: best-first search over rank tuples with a heap, O(B log B) after the per-depth top-K."""
+    """Algorithm 1: best-first search over rank tuples with a heap, O(B log B) after the per-depth top-K.
+    logq [L, V] or [N, L, V]: a batch is one heap per row."""
     assert budget >= 1
+    if logq.dim() == 3:
+        return tuple(torch.stack(t) for t in zip(*(build_tree_heap(row, budget) for row in logq)))
     L, V = logq.shape
     K = min(budget, V)
     topv, topi = (t.tolist() for t in topk_per_depth(logq, K))
@@ -97,7 +103,10 @@ def build_tree_heap(logq: torch.Tensor, budget: int):
 
 
 def build_tree(logq: torch.Tensor, budget: int):
-    """build_tree_heap's exact output from tensor ops: fixed shapes for a given (L, V, budget), no host sync.
+    """build_tree_heap's exact output from tensor ops: fixed shapes for a given (N, L, V, budget), no host sync.
+
+    logq [L, V] or [N, L, V]. Every op carries the batch dim (topk along the last dim, gathers within a row), so
+    N trees are one graph; an unbatched call runs as N = 1.
 
     Depth by depth, keep the best prefixes of that depth among the children of the previous depth's kept
     prefixes; then take the global best `budget` of all kept prefixes. This is exact: the answer G (the first
@@ -110,19 +119,22 @@ def build_tree(logq: torch.Tensor, budget: int):
     the pi frontier entries before its parent, their children of rank <= k (each scores at least c's score, and
     a tie goes to the earlier parent: see Order above), and c's k elder siblings. These are distinct nodes, so
     D + pi * (k + 2) + k <= budget. Per depth that is a hyperbola of about budget * ln(budget) candidates (about
-    3k at the paper's budget of 512) instead of budget x K, and at most budget - D + 1 of them are kept.
+    3k at the paper's budget of 512) instead of budget x K, and at most budget - D + 1 of them are kept. The
+    bound depends only on (pi, k), so every row of a batch shares the same candidate pairs.
 
     Cost: one int64 topk per depth over a few thousand candidates, and a final one over the kept prefixes.
     """
-    assert budget >= 1 and budget * min(budget, logq.shape[1]) < 2**32  # tie-breaks must fit order_key
-    L, V = logq.shape
+    if logq.dim() == 2:
+        return tuple(t.squeeze(0) for t in build_tree(logq.unsqueeze(0), budget))
+    assert budget >= 1 and budget * min(budget, logq.shape[-1]) < 2**32  # tie-breaks must fit order_key
+    batch, L, V = logq.shape
     K = min(budget, V)
     dev = logq.device
     topv, topi = topk_per_depth(logq, K)
 
     # The frontier: the previous depth's kept prefixes in key order (best first), so a child's tie-break is
     # (its parent's position in the frontier, its rank). Depth 0 is the root alone, score 0.
-    score = torch.zeros(1, device=dev)
+    score = torch.zeros(batch, 1, device=dev)
     scores, ties, toks, parent_idx, depth_of = [], [], [], [], []
     prev_offset, offset = 0, 1  # index of the first kept prefix of a depth in the concatenation (0 = the root)
     # One candidate set for depth 1's limit serves every depth: it is pi-major, so a frontier of F entries is a
@@ -133,38 +145,38 @@ def build_tree(logq: torch.Tensor, budget: int):
         limit = budget - depth
         if limit < 0:  # a node this deep needs more than `budget` nodes: no deeper depth can fit either
             break
-        size = pairs_within(score.shape[0], K, budget - 1)  # the candidate pairs with pi < F
+        size = pairs_within(score.shape[-1], K, budget - 1)  # the candidate pairs with pi < F
         parent, child = all_parents[:size], all_children[:size]
-        cand = score[parent] + topv[d][child]
+        cand = score[:, parent] + topv[:, d, child]
         key = order_key(cand, parent * K + child)
         key = torch.where(parent * (child + 2) + child <= limit, key, torch.iinfo(torch.int64).min)
-        n = min(limit + 1, pairs_within(score.shape[0], K, limit))  # no more than the unmasked pairs
-        keep = key.topk(n).indices  # best first: the next frontier, in key order
-        score = cand[keep]
+        n = min(limit + 1, pairs_within(score.shape[-1], K, limit))  # no more than the unmasked pairs
+        keep = key.topk(n, dim=-1).indices  # best first: the next frontier, in key order
+        score = cand.gather(-1, keep)
         scores.append(score)
         # Global tie-break: depth, then the place in this depth's order = concatenation offset + kept position.
         ties.append(offset + torch.arange(n, device=dev))
-        toks.append(topi[d][child[keep]])
+        toks.append(topi[:, d].gather(-1, child[keep]))
         parent_idx.append(prev_offset + parent[keep])
         depth_of.append(torch.full((n,), depth, device=dev))
         prev_offset, offset = offset, offset + n
 
     # Global order over everything kept: score, then depth, then place within the depth.
     # If fewer than `budget` prefixes exist, pad with keys below every real one.
-    N = offset - 1
-    pad = max(budget - N, 0)
-    key = order_key(torch.cat(scores), torch.cat(ties))
-    key = torch.cat([key, torch.full((pad,), torch.iinfo(torch.int64).min, device=dev)])
-    sel = key.topk(budget).indices  # pop order; padding (sel >= N) last
-    real = sel < N
+    kept = offset - 1
+    pad = max(budget - kept, 0)
+    key = order_key(torch.cat(scores, -1), torch.cat(ties))
+    key = torch.cat([key, torch.full((batch, pad), torch.iinfo(torch.int64).min, device=dev)], -1)
+    sel = key.topk(budget, dim=-1).indices  # pop order; padding (sel >= kept) last
+    real = sel < kept
 
     # Row of each concatenation entry in the output (root = row 0; unselected entries are never looked up).
-    row_of = torch.zeros(1 + N + pad, dtype=torch.int64, device=dev)
-    row_of = row_of.scatter(0, 1 + sel, torch.arange(1, budget + 1, device=dev))
-    zero = torch.zeros(pad, dtype=torch.int64, device=dev)
-    tokens = torch.cat(toks + [zero])[sel]
-    parents = row_of[torch.cat(parent_idx + [zero])[sel]]
-    depths = torch.cat(depth_of + [zero])[sel]
+    rows = torch.arange(1, budget + 1, device=dev).expand(batch, budget)
+    row_of = torch.zeros(batch, 1 + kept + pad, dtype=torch.int64, device=dev).scatter(-1, 1 + sel, rows)
+    zero = torch.zeros(batch, pad, dtype=torch.int64, device=dev)
+    tokens = torch.cat(toks + [zero], -1).gather(-1, sel)
+    parents = row_of.gather(-1, torch.cat(parent_idx + [zero], -1).gather(-1, sel))
+    depths = torch.cat(depth_of + [zero[0]])[sel]  # the same for every row: indexed by place
     return (torch.where(real, tokens, 0), torch.where(real, parents, -1), torch.where(real, depths, 0))
 
 
@@ -197,25 +209,26 @@ def candidate_pairs(F: int, K: int, limit: int, device):
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None, dtype=torch.bool) -> torch.Tensor:
-    """anc[i, j] = row j is row i or one of its ancestors, over the B + 1 rows [root, nodes...].
+    """anc[..., i, j] = row j is row i or one of its ancestors, over the B + 1 rows [root, nodes...].
 
-    The root is an ancestor of every real node; padded nodes (parent -1) see only themselves. Pointer doubling
-    with a fixed number of steps: after s steps each row holds its ancestors at distance < 2**s. `max_depth` (the
-    tree's depth bound, e.g. L) sets the steps to ceil(log2(max_depth + 1)); default: enough for any tree of B.
+    parents [B] -> [B + 1, B + 1], or [N, B] -> [N, B + 1, B + 1] (one matrix per tree). The root is an ancestor
+    of every real node; padded nodes (parent -1) see only themselves. Pointer doubling with a fixed number of
+    steps: after s steps each row holds its ancestors at distance < 2**s. `max_depth` (the tree's depth bound,
+    e.g. L) sets the steps to ceil(log2(max_depth + 1)); default: enough for any tree of B.
     The doubling runs on bytes whatever `dtype` asks: inductor's CPU code writes bool tensors many times slower
     than bytes (a partial vector store per 16 elements), and the engine takes the uint8 result as it is
     (tree_attn.PrefixMask).
     """
-    B = parents.shape[0]
+    B = parents.shape[-1]
     rows = torch.arange(B + 1, device=parents.device)
     # The root and padded nodes point at themselves, so chasing past them changes nothing.
-    up = torch.cat([rows[:1], torch.where(parents < 0, rows[1:], parents)])
-    anc = torch.eye(B + 1, dtype=torch.uint8, device=parents.device)
+    up = torch.cat([rows[:1].expand(*parents.shape[:-1], 1), torch.where(parents < 0, rows[1:], parents)], -1)
+    anc = torch.eye(B + 1, dtype=torch.uint8, device=parents.device).expand(*up.shape, B + 1)
     depth = B if max_depth is None else max_depth
     for _ in range(math.ceil(math.log2(depth + 1))):
-        anc = anc | anc[up]
-        up = up[up]
-    return anc.to(dtype)
+        anc = anc | anc.gather(-2, up.unsqueeze(-1).expand_as(anc))  # row i |= row up[i], within each tree
+        up = up.gather(-1, up)
+    return anc.to(dtype).contiguous()  # contiguous: with no step, anc is still the broadcast identity
 
 
 def format_tree(tokens, parents, accepted_rows=None, decode=lambda t: str(t), probs=None, root="<bonus>"):

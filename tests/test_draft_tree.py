@@ -1,4 +1,5 @@
-"""Draft-tree construction: optimality against brute force, the device builder against the heap, ancestor matrices.
+"""Draft-tree construction: optimality against brute force, the device builder against the heap, ancestor matrices,
+batches against their rows.
 
 Brute force here is independent of draft_tree.py: ranks from Python's stable sort, float32 scores from numpy,
 the order key (-score, depth, parent's place, rank) from plain tuple sorting, depth by depth.
@@ -25,8 +26,11 @@ SETTINGS = settings(max_examples=80, deadline=None)
 def logq_cases(draw, max_len=3, max_vocab=4):
     """[L, V] log-probabilities: smooth, heavily tied, with zero-probability tokens, or raw values chosen so that
     float32 rounding makes different parent scores equal once a child's log-prob is added."""
-    L = draw(st.integers(1, max_len))
-    V = draw(st.integers(1, max_vocab))
+    return draw(logq_of_shape(draw(st.integers(1, max_len)), draw(st.integers(1, max_vocab))))
+
+
+@st.composite
+def logq_of_shape(draw, L, V):
     kind = draw(st.sampled_from(["smooth", "ties", "zeros", "rounding"]))
     values = {
         "smooth": st.floats(-4, 4, width=32),
@@ -49,6 +53,15 @@ def n_prefixes(L, V):
 def cases_with_budget(draw, **kw):
     logq = draw(logq_cases(**kw))
     L, V = logq.shape
+    return logq, draw(st.integers(1, n_prefixes(L, V) + 3))
+
+
+@st.composite
+def batches_with_budget(draw, max_batch=4, max_len=3, max_vocab=4):
+    """[N, L, V]: each row of its own kind (so one batch mixes ties, -inf and rounding ties), and a budget up to
+    past the number of prefixes (padded trees)."""
+    N, L, V = draw(st.integers(1, max_batch)), draw(st.integers(1, max_len)), draw(st.integers(1, max_vocab))
+    logq = torch.stack([draw(logq_of_shape(L, V)) for _ in range(N)])
     return logq, draw(st.integers(1, n_prefixes(L, V) + 3))
 
 
@@ -111,6 +124,7 @@ def ancestors_by_chasing(parents):
 
 
 def assert_same(a, b):
+    assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.dtype == y.dtype == torch.int64 and torch.equal(x, y), (a, b)
 
@@ -155,6 +169,36 @@ def test_build_tree_equals_heap_at_real_sizes(budget, ties):
     logits = torch.randint(0, 3, (15, 200), generator=g).float() if ties else torch.randn(15, 200, generator=g) * 4
     logq = logits.log_softmax(-1)
     assert_same(build_tree(logq, budget), build_tree_heap(logq, budget))
+
+
+@SETTINGS
+@given(batches_with_budget())
+def test_batched_tree_equals_each_row(case):
+    logq, budget = case
+    N, L, _ = logq.shape
+    tree = build_tree(logq, budget)
+    assert all(t.shape == (N, budget) for t in tree)
+    assert_same(build_tree_heap(logq, budget), tree)
+    anc = ancestor_matrix(tree[1], max_depth=L, dtype=torch.uint8)
+    assert anc.shape == (N, budget + 1, budget + 1) and anc.dtype == torch.uint8
+    assert torch.equal(ancestor_matrix(tree[1]), anc.bool())
+    for n in range(N):
+        assert_same([t[n] for t in tree], build_tree(logq[n], budget))
+        assert torch.equal(anc[n], ancestor_matrix(tree[1][n], max_depth=L, dtype=torch.uint8))
+
+
+def test_batched_tree_equals_each_row_at_real_sizes():
+    # Rows as different as a batch of requests gets: sharp, tied, mostly zero-probability, and -inf-heavy ties.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.stack([torch.randn(15, 200, generator=g) * 4, torch.randint(0, 3, (15, 200), generator=g).float(),
+                          torch.randn(15, 200, generator=g), torch.randint(0, 2, (15, 200), generator=g).float()])
+    logits[2, :, 3:] = -INF
+    logits[3] = logits[3].masked_fill(logits[3] == 0, -INF)
+    logq = logits.log_softmax(-1)
+    for budget in (1, 64, 300):
+        tree = build_tree(logq, budget)
+        for n in range(len(logq)):
+            assert_same([t[n] for t in tree], build_tree_heap(logq[n], budget))
 
 
 @given(st.integers(1, 40), st.integers(1, 40), st.integers(-3, 60))
@@ -266,6 +310,38 @@ def test_compiled_build_tree_traces_fully_and_matches():
     for logits in (torch.randn(2, 4, generator=g), torch.randint(0, 2, (2, 4), generator=g).float()):
         logq = logits.log_softmax(-1)
         assert_same(fn(logq, 6), build_tree_heap(logq, 6))
+    assert sum(counters["graph_break"].values()) == breaks
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # traced (not skipped), and no recompile
+
+
+def test_compiled_batch_traces_fully_and_matches():
+    # A batched round's tree stages in one graph: build, ancestor masks, the walk; N = 3 rows (sharp, tied, with
+    # zero-probability tokens), budget past the 3 + 9 prefixes so every tree is padded.
+    from torch._dynamo.utils import counters
+
+    from sampler import walk_tree
+
+    def tree_stages(logq, target):
+        tokens, parents, depths = build_tree(logq, 14)
+        anc = ancestor_matrix(parents, logq.shape[-2], dtype=torch.uint8)
+        return tokens, parents, depths, anc, *walk_tree(parents, tokens, target, logq.shape[-2])
+
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    fn = torch.compile(tree_stages, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        logits = torch.stack([torch.randn(2, 3, generator=g) * 4, torch.randint(0, 2, (2, 3), generator=g).float(),
+                              torch.tensor([[0.0, -INF, 1.0], [-INF, 0.0, -INF]])])
+        logq = logits.log_softmax(-1)
+        target = torch.randint(0, 3, (3, 15), generator=g)
+        tokens, parents, _ = build_tree_heap(logq, 14)
+        for n, row in enumerate((3, 7, 12)):  # the target follows the tree down to a real row: long paths
+            while row > 0:
+                target[n, parents[n, row - 1]] = tokens[n, row - 1]
+                row = int(parents[n, row - 1])
+        got, want = fn(logq, target), tree_stages(logq, target)
+        assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
+        assert (want[-2] > 1).all()  # every walk went past the root
     assert sum(counters["graph_break"].values()) == breaks
     assert counters["stats"]["unique_graphs"] == graphs + 1  # traced (not skipped), and no recompile
 
