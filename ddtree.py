@@ -71,7 +71,7 @@ class Result:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# generate(): the decoding loop
+# generate() and generate_batch(): the decoding loop
 
 
 def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
@@ -79,7 +79,8 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop_ids=None, compile: bool | str = False,
              on_tokens=None, draft_temperature: float = 1.0, draft_sampling: bool = False, denoise_steps: int = 1,
              show_tree: bool = False) -> Result:
-    """Generate up to `max_new_tokens` after `prompt_ids` (a list of ints or a 1-D integer tensor).
+    """Generate up to `max_new_tokens` after `prompt_ids` (a list of ints or a 1-D integer tensor): the
+    one-request case of generate_batch.
 
     budget: ddtree's tree size (default 512). on_tokens(list[int]) is called with the tokens each round emits
     (for streaming). draft_temperature: the drafter's temperature for building trees (ddtree; 1 as in the
@@ -93,34 +94,81 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
     before a stop token or the token limit cut them), tau = mean of accepted, seconds and tokens_per_s (the
     generation alone), compile_seconds (warming up a new compiled engine, outside `seconds`), seed.
     """
+    if on_tokens is not None and not callable(on_tokens):
+        raise TypeError(f"on_tokens must be a function of a list of token ids, got {on_tokens!r}")
+    return generate_batch(target, drafter, [prompt_ids], method=method, budget=budget, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=[seed],
+                          stop_ids=stop_ids, compile=compile, on_tokens=on_tokens and (lambda i, new: on_tokens(new)),
+                          draft_temperature=draft_temperature, draft_sampling=draft_sampling,
+                          denoise_steps=denoise_steps, show_tree=show_tree, max_batch=1)[0]
+
+
+def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=(), method: str = "ddtree",
+                   budget: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, min_p: float = 0.0, seeds=None, stop_ids=None, compile: bool | str = False,
+                   on_tokens=None, draft_temperature: float = 1.0, draft_sampling: bool = False,
+                   denoise_steps: int = 1, show_tree: bool = False, max_batch: int = 16) -> list[Result]:
+    """generate() for many independent requests at once: one Result per prompt, in order.
+
+    The requests run together, up to `max_batch` at a time, each with its own committed length, tree, RoPE
+    positions, cache row and random generator: request i draws its randomness from a generator seeded with
+    seeds[i] in the order generate(seed=seeds[i]) draws it, so it is the same sample as the lone run (seeds:
+    one int or None per prompt; None = a fresh seed). A request that ends (stop token, token limit) stops
+    emitting while the rest go on. on_tokens(i, list[int]) streams request i's tokens. Batches are padded to a
+    power of two, so a few compiled graphs serve every batch size. Other settings and stats: as generate().
+    """
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     spec = check_speculation(method, sampling, budget, draft_temperature, draft_sampling, denoise_steps, show_tree)
-    prompt, stop = check_request(target, drafter, prompt_ids, stop_ids, method, max_new_tokens, spec, seed,
-                                 compile, on_tokens)
-    # A fresh seed from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs.
-    seed = secrets.randbits(63) if seed is None else seed
+    prompts, seeds, stop = check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec,
+                                         compile, on_tokens, max_batch)
+    results = []
     with torch.inference_mode():
-        engine = get_engine(target, drafter if method != "ar" else None, method, sampling, spec,
-                            cache_length(len(prompt), max_new_tokens, method, spec, drafter), compile, show_tree)
-        compile_seconds = engine.warm_up()
-        t0 = time.perf_counter()
-        tokens, accepted, verified, trees = [], [], [], []
-        done = emit(tokens, [engine.start(prompt, seed)], stop, max_new_tokens, on_tokens)
-        while not done:
-            new, tree = engine.step()
-            before = len(tokens)
-            done = emit(tokens, new, stop, max_new_tokens, on_tokens)
-            accepted.append(len(tokens) - before)
-            verified.append(len(new))
+        for first in range(0, len(prompts), max_batch):
+            wave = range(first, min(first + max_batch, len(prompts)))
+            length = cache_length(max(len(prompts[i]) for i in wave), max_new_tokens, method, spec, drafter)
+            engine = get_engine(target, drafter if method != "ar" else None, method, sampling, spec, length,
+                                compile, show_tree, batch_bucket(len(wave), max_batch))
+            emit_to = on_tokens and (lambda j, new, first=first: on_tokens(first + j, new))
+            results += decode(engine, [prompts[i] for i in wave], [seeds[i] for i in wave], stop, max_new_tokens,
+                              emit_to)
+    for result in results:
+        result.stats.update(method=method, budget=spec.budget)
+    return results
+
+
+def decode(engine: "Engine", prompts: list, seeds: list, stop: set, max_new_tokens: int, on_tokens) -> list[Result]:
+    """Run one batch of requests on `engine` to the end: prefill, then rounds until every request has ended."""
+    compile_seconds = engine.warm_up()
+    t0 = time.perf_counter()
+    results = [Result(tokens=[], stats=dict(accepted=[], verified=[], seed=seed)) for seed in seeds]
+    live = set(range(len(prompts)))
+
+    def emit_each(new_per_request, is_round=True):
+        for i, (new, tree) in enumerate(new_per_request):
+            if i not in live:
+                continue
+            r = results[i]
+            before = len(r.tokens)
+            done = emit(r.tokens, new, stop, max_new_tokens, on_tokens and (lambda kept: on_tokens(i, kept)))
+            if is_round:  # not the prefill's first token
+                r.stats["accepted"].append(len(r.tokens) - before)
+                r.stats["verified"].append(len(new))
             if tree is not None:
-                trees.append(tree)
-        seconds = time.perf_counter() - t0
-    rounds = len(accepted)
-    stats = dict(method=method, budget=spec.budget, new_tokens=len(tokens), rounds=rounds,
-                 tau=(sum(accepted) / rounds if rounds else 0.0), accepted=accepted, verified=verified,
-                 seconds=seconds, tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0,
-                 compile_seconds=compile_seconds, seed=seed)
-    return Result(tokens=tokens, stats=stats, trees=trees)
+                r.trees.append(tree)
+            if done:
+                live.discard(i)
+                engine.finish(i)
+                r.stats["seconds"] = time.perf_counter() - t0
+
+    emit_each([([t], None) for t in engine.start(prompts, seeds)], is_round=False)
+    while live:
+        emit_each(engine.step())
+    for r in results:
+        s, rounds = r.stats, len(r.stats["accepted"])
+        s.update(new_tokens=len(r.tokens), rounds=rounds, tau=sum(s["accepted"]) / rounds if rounds else 0.0,
+                 tokens_per_s=len(r.tokens) / s["seconds"] if s["seconds"] > 0 else 0.0,
+                 compile_seconds=compile_seconds, batch=len(prompts))
+    return results
 
 
 def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> bool:
@@ -140,47 +188,78 @@ NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf w
               "dtype)")
 
 
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """[N]: whether request n's part of x [N, ...] is all finite."""
+    return torch.isfinite(x).flatten(1).all(1)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The engine: one round, then the buffers, masks and compiled steps it runs on
 
 
 class Engine:
-    """One (target, drafter, method, settings): static caches sized once for `max_seq_len`, masks whose tensors
-    are updated in place, the step functions (compiled once, then reused by every request whose settings and
-    shapes match), and a request's state between steps: the last token, its position, the generator."""
+    """One (target, drafter, method, settings, batch size): static caches sized once for `batch` requests of
+    `max_seq_len` slots, masks whose tensors are updated in place, the step functions (compiled once, then reused
+    by every batch whose settings and shapes match), and the requests' state between steps: each one's last
+    token, its position, its generator, and whether it is still running. Every tensor of a round has the batch
+    as its leading dimension; request n owns row n of every cache."""
 
-    # -- a request: start, then one step per round ---------------------------------------------------------------
+    # -- requests: start, then one step per round ----------------------------------------------------------------
 
-    def start(self, prompt: list[int], seed: int) -> int:
-        """Prefill the caches with the prompt; returns the first new token (the prefill's one host read)."""
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        token, ok = self.prefill(torch.tensor(prompt, device=self.device))
-        first, ok = torch.stack([token.view(-1)[0], ok.long()]).tolist()
-        if not ok:
+    def start(self, prompts: list[list[int]], seeds: list[int]) -> list[int]:
+        """Prefill the caches with up to `batch` prompts (rows past them run a one-token dummy); returns each
+        request's first new token (the prefill's one host read)."""
+        n = len(prompts)
+        # The caches are the models': another engine, or a caller, may have resized them since (no-op otherwise).
+        self.target.setup_cache(self.max_seq_len, self.batch)
+        if self.drafter is not None:
+            self.drafter.setup_cache(self.max_seq_len, self.batch)
+        self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] + \
+                          [None] * (self.batch - n)
+        self.live = torch.tensor([1] * n + [0] * (self.batch - n), device=self.device)
+        prompts = list(prompts) + [[0]] * (self.batch - n)
+        token, ok = self.prefill(prompts)
+        out = torch.cat([token, ok.long()]).tolist()
+        if not all(out[self.batch:self.batch + n]):
             raise ValueError(NON_FINITE)
-        self.token, self.position = token.view(1), torch.tensor(len(prompt), device=self.device)
-        return first
+        self.token = token
+        self.position = torch.tensor([len(p) for p in prompts], device=self.device)
+        return out[:n]
 
-    def step(self) -> tuple[list[int], tuple | None]:
-        """One round after the last token: the new token ids (accepted drafts, then the target's own next token;
-        for ar just that token) and, with show_tree, the round's tree. Makes the round's one host read."""
+    def finish(self, i: int):
+        """Request i has ended: it stops advancing (its rows keep running in the batch, in scratch slots past its
+        committed length, and their results are dropped) and stops drawing randomness."""
+        self.live[i] = 0
+        self.generators[i] = None
+
+    def step(self) -> list[tuple[list[int], tuple | None]]:
+        """One round for every request: per request, the new token ids (accepted drafts, then the target's own
+        next token; for ar just that token) and, with show_tree, the round's tree. Makes the round's one host
+        read."""
         # Under CUDA graphs a call's outputs live in the graph's memory pool, which the next replay overwrites:
         # feed back a copy of the token (as gpt-fast does), never the output itself.
         rows, length, token, ok, tree = self.round(self.token.clone(), self.position, *self.randomness())
-        out = torch.cat([rows, length.view(1), token.view(1), ok.view(1).long()]).tolist()
-        n, new = out[-3], out[1:out[-3]] + [out[-2]]  # rows[0] is the previous token, emitted last step
-        if not out[-1]:
+        out = torch.cat([rows.flatten(), length, token, ok.long(), self.live]).tolist()
+        width, b = rows.shape[1], self.batch
+        lengths, tokens, oks, live = (out[b * width + k * b: b * width + (k + 1) * b] for k in range(4))
+        if not all(o for o, alive in zip(oks, live) if alive):
             raise ValueError(NON_FINITE)
-        self.token, self.position = token.view(1), self.position + length
-        return new, (None if tree is None else tuple(t.clone() for t in tree) + (n,))
+        self.token, self.position = token, self.position + length * self.live
+        new = []
+        for i in range(b):  # rows[i, 0] is the previous token, emitted last step
+            row = out[i * width: i * width + lengths[i]]
+            new.append((row[1:] + [tokens[i]],
+                        None if tree is None else tuple(t[i].clone() for t in tree) + (lengths[i],)))
+        return new
 
     # -- one speculative round: draft -> tree -> verify -> accept -> commit --------------------------------------
 
     def _round(self, bonus, start, noise, accept_u, draft_noise):
-        """bonus: [1] the last token the target chose, not yet in its cache; start: 0-d, its position (= the
-        committed length). Returns the committed rows' tokens [L + 1] (valid up to `length`), length, the next
-        bonus, whether the target's logits and draws were sound (Engine.pick), and the tree with show_tree."""
-        # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [L, V].
+        """bonus: [N] the last token the target chose for each request, not yet in its cache; start: [N], its
+        position (= the request's committed length). Returns the committed rows' tokens [N, L + 1] (valid up to
+        `length`), length [N], the next bonus [N], whether each request's logits and draws were sound
+        (Engine.pick), and the trees with show_tree."""
+        # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [N, L, V].
         draft_logits = self.draft(bonus, start)
         # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
         tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
@@ -191,18 +270,19 @@ class Engine:
         path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u)
         # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
         self.commit(start, path, positions, features)
-        return rows[path], length, next_token, ok, ((tokens, parents, depths, path) if self.show_tree else None)
+        return rows.gather(1, path), length, next_token, ok, ((tokens, parents, depths, path) if self.show_tree else None)
 
     def draft(self, bonus, start):
         return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.spec.denoise_steps)
 
     def propose(self, draft_logits, draft_noise):
-        """(tokens, parents, depths, q): the nodes in parent-first order; q the warped draft law when the chain's
-        drafts are sampled (for the min(1, p/q) rule), else None."""
+        """(tokens, parents, depths, q), each [N, nodes]: the nodes in parent-first order; q the warped draft law
+        when the chain's drafts are sampled (for the min(1, p/q) rule), else None."""
         if self.method == "ddtree":
             logq = torch.log_softmax(tempered(draft_logits, self.spec.draft_temperature), dim=-1)
             return (*self.build_tree(logq, self.nodes), None)
-        chain_parents = torch.arange(self.depth, device=draft_logits.device)  # node i hangs under row i
+        n = draft_logits.shape[0]
+        chain_parents = torch.arange(self.depth, device=draft_logits.device).expand(n, -1)  # node i under row i
         depths = chain_parents + 1
         if self.spec.draft_sampling:
             q = warp_probs(draft_logits, self.sampling)
@@ -214,59 +294,69 @@ class Engine:
 
     def verify(self, bonus, tokens, depths, start, mask):
         """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row."""
-        rows = torch.cat([bonus.view(1), tokens])
-        positions = start + torch.cat([depths.new_zeros(1), depths])
-        slots = start + torch.arange(self.nodes + 1, device=rows.device)
+        rows = torch.cat([bonus[:, None], tokens], dim=1)
+        positions = start[:, None] + torch.cat([depths[:, :1] * 0, depths], dim=1)
+        slots = start[:, None] + torch.arange(self.nodes + 1, device=rows.device)
         logits, features = self.target(rows, positions, slots, mask, feature_layers=self.feature_layers)
         return rows, positions, logits, features
 
     def accept(self, logits, tokens, parents, q, noise, accept_u):
-        """(path [L + 1] of accepted rows from the root, length, next bonus, sound), by the rule that keeps the
-        target's law: sampled chain drafts by min(1, p/q) with the residual, deterministic drafts by the target's
-        own choices (argmax or a warped sample at every row) walked down the tree."""
+        """(path [N, L + 1] of accepted rows from the root, length [N], next bonus [N], sound [N]), by the rule that
+        keeps the target's law: sampled chain drafts by min(1, p/q) with the residual, deterministic drafts by the
+        target's own choices (argmax or a warped sample at every row) walked down the tree."""
         if self.spec.draft_sampling:
             p = warp_probs(logits, self.sampling)
             accepted, next_token = verify_chain_sampled(p, q, tokens, accept_u, noise)
-            ok = torch.isfinite(logits).all() & torch.isfinite(p).all() & torch.isfinite(q).all()
-            return torch.arange(self.depth + 1, device=logits.device), accepted + 1, next_token, ok
+            ok = finite_rows(logits) & finite_rows(p) & finite_rows(q)
+            path = torch.arange(self.depth + 1, device=logits.device).expand(logits.shape[0], -1)
+            return path, accepted + 1, next_token, ok
         choices, ok = self.pick(logits, noise)
         return (*walk_tree(parents, tokens, choices, self.depth), ok)
 
     def commit(self, start, path, positions, features):
         compact_kv(self.target.kv_caches(), start, path)
-        self.extend_context(start, features[path], positions[path])
+        picked = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+        self.extend_context(start, picked, positions.gather(1, path))
 
     def extend_context(self, start, features, positions):
         """The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
         computes it inside the drafter pass), in the slots after `start`."""
-        slots = start + torch.arange(self.depth + 1, device=features.device)
+        slots = start[:, None] + torch.arange(self.depth + 1, device=features.device)
         self.drafter.append_context(features, positions, slots)
 
     # -- plain decoding and the prefill -------------------------------------------------------------------------
 
     def _decode(self, token, start, noise):
-        """ar's round: the target over the last token; returns what _round does (the one committed row, length 1,
-        the next token, soundness, no tree)."""
-        logits, _ = self.target(token, start.view(1), start.view(1), self.decode_mask.set(start))
+        """ar's round: the target over each request's last token; returns what _round does (the one committed row,
+        length 1, the next token, soundness, no tree)."""
+        logits, _ = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start))
         next_token, ok = self.pick(logits, noise)
-        return token, torch.ones_like(start), next_token[0], ok, None
+        return token[:, None], torch.ones_like(start), next_token[:, 0], ok, None
 
-    def prefill(self, prompt: torch.Tensor):
-        """Fill the caches with the prompt in fixed chunks; returns the first new token (from the last prompt row)
-        and whether it was sound."""
-        n = prompt.numel()
-        padded = torch.zeros(round_up(n, PREFILL_CHUNK), dtype=torch.long, device=self.device)
-        padded[:n] = prompt
-        for start in range(0, n, PREFILL_CHUNK):
-            last = torch.tensor([min(n - 1 - start, PREFILL_CHUNK - 1)], device=self.device)
-            token, ok = self.prefill_step(padded[start:start + PREFILL_CHUNK], torch.tensor(start, device=self.device),
-                                          last, self.noise(1))
+    def prefill(self, prompts: list[list[int]]):
+        """Fill the caches with the prompts in fixed chunks, all requests side by side (a shorter prompt's rows
+        past its end are padding: their K/V land beyond the prompt, where nothing reads them before they are
+        overwritten). Returns each request's first new token (from its last prompt row) and whether it was
+        sound. The target's draw uses one noise row per request, drawn once."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        padded = torch.zeros(self.batch, round_up(max(map(len, prompts)), PREFILL_CHUNK), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            padded[i, :len(p)] = torch.tensor(p)
+        padded, last, noise = padded.to(self.device), lengths - 1, self.noise(1)
+        token = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        ok = torch.ones(self.batch, dtype=torch.bool, device=self.device)
+        for start in range(0, padded.shape[1], PREFILL_CHUNK):
+            row = (last - start).clamp(0, PREFILL_CHUNK - 1)[:, None]
+            starts = torch.full((self.batch,), start, device=self.device)  # [N]: see PrefixMask.set
+            t, o = self.prefill_step(padded[:, start:start + PREFILL_CHUNK], starts, row, noise)
+            here = (last >= start) & (last < start + PREFILL_CHUNK)  # the chunk that holds the request's last row
+            token, ok = torch.where(here, t[:, 0], token), torch.where(here, o, ok)
         return token, ok
 
     def _prefill_step(self, tokens, start, last_row, noise):
-        """PREFILL_CHUNK prompt rows at positions start.. (rows past the prompt are padding: their K/V land beyond
-        the prompt, where nothing reads them before they are overwritten). Returns the token after `last_row`."""
-        positions = start + torch.arange(PREFILL_CHUNK, device=tokens.device)
+        """PREFILL_CHUNK prompt rows of every request at positions start.. Returns the token after each request's
+        `last_row` [N, 1]."""
+        positions = start[:, None] + torch.arange(PREFILL_CHUNK, device=tokens.device)
         logits, features = self.target(tokens, positions, positions, self.prefill_mask.set(start),
                                        logits_rows=last_row, feature_layers=self.feature_layers)
         if self.drafter is not None:  # the prompt is the drafter's first context
@@ -274,43 +364,54 @@ class Engine:
         return self.pick(logits, noise)
 
     def pick(self, logits, noise):
-        """The target's token at each row of float32 logits [R, V] (argmax when greedy, else a warped sample), and
-        whether the draw was sound: every logit finite and every chosen token of positive, finite probability
-        (no silent token 0 from a NaN distribution)."""
-        ok = torch.isfinite(logits).all()
+        """The target's token at each row of float32 logits [N, R, V] (argmax when greedy, else a warped sample),
+        and whether each request's draw was sound: every logit finite and every chosen token of positive, finite
+        probability (no silent token 0 from a NaN distribution)."""
+        ok = finite_rows(logits)
         if self.sampling.greedy:
             return logits.argmax(-1), ok
         probs = warp_probs(logits, self.sampling)
         tokens = sample(probs, noise)
-        chosen = probs.gather(-1, tokens[:, None])
-        return tokens, ok & (chosen > 0).all() & torch.isfinite(chosen).all()
+        chosen = probs.gather(-1, tokens[..., None]).flatten(1)
+        return tokens, ok & (chosen > 0).all(1) & torch.isfinite(chosen).all(1)
 
-    # -- randomness: drawn outside the compiled graph from the request's seeded generator -----------------------
+    # -- randomness: drawn outside the compiled graph from each request's seeded generator ----------------------
+
+    def draws(self, per_request) -> tuple:
+        """Each running request's per_request(generator) (a tuple of fixed-shape tensors), stacked along the batch;
+        ended requests and padding rows draw nothing and get ones (valid noise, never used)."""
+        drawn = [None if g is None else per_request(g) for g in self.generators]
+        example = next(d for d in drawn if d is not None)
+        return tuple(torch.stack([d[k] if d is not None else torch.ones_like(example[k]) for d in drawn])
+                     for k in range(len(example)))
 
     def noise(self, rows: int):
+        """Exponential noise [N, rows, V] for the target's draws (None when greedy)."""
         if self.sampling.greedy:
             return None
-        return draw_noise((rows, self.target.config.vocab_size), self.generator, self.device)
+        return self.draws(lambda g: (draw_noise((rows, self.target.config.vocab_size), g, self.device),))[0]
 
     def randomness(self) -> tuple:
-        """The round's random inputs, in a fixed order: Exponential noise per verified row (the target's draws),
-        then, for a sampled chain, the accept uniforms and the drafts' noise."""
+        """The round's random inputs; each request draws from its own generator, in a fixed order: Exponential
+        noise per verified row (the target's draws), then, for a sampled chain, the accept uniforms and the drafts'
+        noise. Drawn request by request, so request i's stream is its lone run's."""
         if self.method == "ar":
             return (self.noise(1),)
         if self.sampling.greedy:
             return None, None, None
         if not self.spec.draft_sampling:
             return self.noise(self.nodes + 1), None, None
-        noise = self.noise(self.nodes + 1)
-        accept_u = torch.rand(self.depth, generator=self.generator, device=self.device)
-        return noise, accept_u, self.noise(self.depth)
+        V = self.target.config.vocab_size
+        return self.draws(lambda g: (draw_noise((self.nodes + 1, V), g, self.device),
+                                     torch.rand(self.depth, generator=g, device=self.device),
+                                     draw_noise((self.depth, V), g, self.device)))
 
     # -- construction -------------------------------------------------------------------------------------------
 
     def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, sampling: Sampling,
-                 spec: Speculation, max_seq_len: int, compile: bool | str, show_tree: bool = False):
+                 spec: Speculation, max_seq_len: int, compile: bool | str, show_tree: bool = False, batch: int = 1):
         self.target, self.drafter, self.method, self.sampling, self.spec = target, drafter, method, sampling, spec
-        self.device, self.max_seq_len, self.show_tree = target.device, max_seq_len, show_tree
+        self.device, self.max_seq_len, self.show_tree, self.batch = target.device, max_seq_len, show_tree, batch
         # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
         # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
@@ -318,20 +419,20 @@ class Engine:
         #   vmapped math fallback); compiled and CUDA engines run FlexAttention.
         self.build_tree = build_tree if compile else build_tree_heap
         dense = not compile and self.device.type == "cpu" and EAGER_CPU_ATTENTION == "sdpa"
-        target.setup_cache(max_seq_len)
-        self.prefill_mask = PrefixMask(PREFILL_CHUNK, max_seq_len, self.device, dense)
+        target.setup_cache(max_seq_len, batch)
+        self.prefill_mask = PrefixMask(PREFILL_CHUNK, max_seq_len, self.device, dense, batch)
         self.prefill_mask.allow.copy_(causal(PREFILL_CHUNK))
-        self.decode_mask = PrefixMask(1, max_seq_len, self.device, dense)
+        self.decode_mask = PrefixMask(1, max_seq_len, self.device, dense, batch)
         self.decode_mask.allow.fill_(True)
         self.feature_layers = ()
         if drafter is not None:
-            drafter.setup_cache(max_seq_len)
+            drafter.setup_cache(max_seq_len, batch)
             self.feature_layers = tuple(drafter.config.target_layer_ids)
             self.depth = drafter.block_size - 1  # L: draft positions per round
             self.nodes = spec.budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
-            self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense)
+            self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch)
             self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
-            self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense)
+            self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense, batch)
         self.prefill_step, self.round = self._prefill_step, (self._decode if method == "ar" else self._round)
         self.warm = not compile
         if compile:
@@ -350,13 +451,13 @@ class Engine:
                                                  for f in steps)
 
     def warm_up(self) -> float:
-        """Compile a new compiled engine's steps by running each once on a one-token dummy prompt; returns the
+        """Compile a new compiled engine's steps by running each once on a one-token dummy request; returns the
         seconds it took (0 when there is nothing to compile), so that a run's tokens/s counts generation alone.
         The dummy's K/V lie in slots that the real prefill overwrites or that no mask lets a row see."""
         if self.warm:
             return 0.0
         t0 = time.perf_counter()
-        self.start([0], seed=0)
+        self.start([[0]], seeds=[0])
         self.step()
         self.warm = True
         return time.perf_counter() - t0
@@ -379,13 +480,19 @@ def compile_frozen(step):
 _ENGINES: dict = {}
 
 
-def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree) -> Engine:
-    """Engines are cached per (models, settings) so repeated generate() calls reuse caches and compiled graphs."""
-    key = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, show_tree)
+def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch=1) -> Engine:
+    """Engines are cached per (models, settings, batch size) so repeated calls reuse caches and compiled graphs."""
+    key = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, show_tree, batch)
     if key not in _ENGINES:
         _ENGINES.clear()  # one live engine at a time: caches can be large
-        _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree)
+        _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch)
     return _ENGINES[key]
+
+
+def batch_bucket(n: int, max_batch: int) -> int:
+    """The engine's batch size for n requests: the next power of two (at most max_batch), so that a handful of
+    compiled graphs serve every batch size."""
+    return min(1 << (n - 1).bit_length(), max_batch)
 
 
 def cache_length(prompt_len: int, max_new_tokens: int, method: str, spec: Speculation, drafter) -> int:
@@ -436,20 +543,39 @@ def check_speculation(method, sampling, budget, draft_temperature, draft_samplin
                        denoise_steps=denoise_steps)
 
 
-def check_request(target, drafter, prompt_ids, stop_ids, method, max_new_tokens, spec, seed, compile, on_tokens):
-    """The request checked against the models; returns the prompt as a list and the stop ids as a set."""
-    prompt = check_prompt(prompt_ids, target)
+def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec, compile, on_tokens,
+                  max_batch):
+    """The requests checked against the models; returns the prompts as lists, one seed per prompt (None drawn
+    fresh from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs) and the
+    stop ids as a set. Errors about one of several prompts name it."""
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of prompts (each a list of token ids or a 1-D integer tensor), got "
+                        f"{reprlib.repr(prompts)}")
+    if not prompts:
+        raise ValueError("no prompts given")
+    single = len(prompts) == 1
+    seeds = [None] * len(prompts) if seeds is None else seeds
+    if not isinstance(seeds, (list, tuple)) or len(seeds) != len(prompts):
+        raise TypeError(f"seeds must be a list of one int (or None) per prompt, got {reprlib.repr(seeds)}")
+    checked, fresh = [], []
+    for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        name = "" if single else f"prompt {i}: "
+        try:
+            checked.append(check_prompt(prompt, target))
+            fresh.append(secrets.randbits(63) if seed is None else check_int("seed", seed, 0))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}{e}") from None
     stop = check_stop_ids(target.eos_ids if stop_ids is None else stop_ids)
     check_int("max_new_tokens", max_new_tokens, 1)
-    if seed is not None:
-        check_int("seed", seed, 0)
+    check_int("max_batch", max_batch, 1)
     if not isinstance(compile, bool) and compile != "max-autotune":
         raise TypeError(f"compile must be True, False or 'max-autotune', got {compile!r}")
     if on_tokens is not None and not callable(on_tokens):
-        raise TypeError(f"on_tokens must be a function of a list of token ids, got {on_tokens!r}")
+        raise TypeError(f"on_tokens must be a function of (request index, list of token ids), got {on_tokens!r}")
+    longest = max(map(len, checked))
     limit = target.config.max_position_embeddings
-    if len(prompt) + max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"target's max_position_embeddings ({limit})")
     if method != "ar":
         if drafter is None:
@@ -461,10 +587,10 @@ def check_request(target, drafter, prompt_ids, stop_ids, method, max_new_tokens,
         # A round writes its verified rows after the committed tokens; the cache holds at most
         # max_position_embeddings slots (rounded up to the attention block).
         rows = verify_rows(method, spec, drafter)
-        if len(prompt) + max_new_tokens + rows > round_up(limit):
-            raise ValueError(f"budget {spec.budget} is beyond what the cache can hold: prompt ({len(prompt)}) + "
+        if longest + max_new_tokens + rows > round_up(limit):
+            raise ValueError(f"budget {spec.budget} is beyond what the cache can hold: prompt ({longest}) + "
                              f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
-    return prompt, stop
+    return checked, fresh, stop
 
 
 def applies(setting: str, method: str, greedy: bool) -> bool:
@@ -535,7 +661,12 @@ def parse_args(argv):
         raise ValueError(f"{message} (see --help)")
 
     p.error = error
-    p.add_argument("--prompt", required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt")
+    source.add_argument("--prompts-file", help="many requests, run as batches: one JSON string or object "
+                                               "({\"prompt\": ..., \"seed\": ...}) per line; one JSON line out per "
+                                               "request")
+    p.add_argument("--batch-size", default=None, help="with --prompts-file: requests run together (default 16)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3 checkpoint: local directory or hub repo id")
     p.add_argument("--draft", default=None, help="DFlash drafter: local directory or hub repo id (dflash, ddtree; "
                                                  "default: the bundled tiny drafter)")
@@ -605,28 +736,27 @@ def compile_mode(args) -> bool | str:
 def run_cli(args) -> int:
     settings = settings_from_args(args)  # before loading anything
     compile_mode(args)
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("the prompt is not valid UTF-8 text") from None
-    if not args.prompt:
-        raise ValueError("the prompt is empty")
+    requests = read_prompts_file(args.prompts_file) if args.prompts_file else [(check_text(args.prompt), None)]
+    if args.batch_size is not None and not args.prompts_file:
+        raise ValueError("--batch-size goes with --prompts-file")
     target = Qwen3.from_pretrained(args.target, device=args.device, dtype=args.dtype)
     text = Text(target.path)
     chat = args.chat if args.chat is not None else bool(text.chat_template)
     if chat and not text.chat_template:
         raise ValueError(f"{args.target}: --chat asked for, but the checkpoint has no chat template")
-    prompt_ids = text.encode(text.render_chat(args.prompt) if chat else args.prompt)
-    if not prompt_ids:
+    prompts = [text.encode(text.render_chat(prompt) if chat else prompt) for prompt, _ in requests]
+    if not all(prompts):
         raise ValueError("the prompt is empty")
     drafter = None
     if args.method != "ar":
         drafter = DFlashDrafter.from_pretrained(args.draft or DEFAULT_DRAFT, device=target.device,
                                                 dtype=target.dtype)
+    if args.prompts_file:
+        return run_batch(args, target, drafter, text, prompts, [seed for _, seed in requests], settings)
     streamer = Streamer(text, None if args.json else sys.stdout)
     try:
-        res = generate(target, drafter, prompt_ids, method=args.method, compile=compile_mode(args), on_tokens=streamer,
-                       **settings)
+        res = generate(target, drafter, prompts[0], method=args.method, compile=compile_mode(args),
+                       on_tokens=streamer, **settings)
     except KeyboardInterrupt:
         # What was committed stays printed; the summary says where it stopped. 130 = 128 + SIGINT, as shells do.
         if args.json:
@@ -650,6 +780,72 @@ def run_cli(args) -> int:
         print(f"[{s['method']}] {s['new_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
               f"{s['tokens_per_s']:.1f} tokens/s{compiled}", file=sys.stderr)
     return 0
+
+
+def run_batch(args, target, drafter, text, prompts, seeds, settings) -> int:
+    """--prompts-file: every request through generate_batch; one JSON line per request, in order, as each batch
+    ends; a summary line on stderr. --seed S gives request i the seed S + i unless its line has its own."""
+    base = settings.pop("seed", None)
+    seeds = [s if s is not None else (None if base is None else base + i) for i, s in enumerate(seeds)]
+    check_int("the last request's seed", max((s for s in seeds if s is not None), default=0), 0)
+    batch = as_int("--batch-size", args.batch_size) if args.batch_size is not None else 16
+    check_int("--batch-size", batch, 1)
+    t0 = time.perf_counter()
+    results = generate_batch(target, drafter, prompts, method=args.method, compile=compile_mode(args), seeds=seeds,
+                             max_batch=batch, **settings)
+    seconds = time.perf_counter() - t0
+    for i, res in enumerate(results):
+        print(json.dumps(dict(index=i, text=text.decode(res.tokens), tokens=res.tokens, stats=res.stats)))
+    total = sum(len(r.tokens) for r in results)
+    compiling = sum(results[i].stats["compile_seconds"] for i in range(0, len(results), batch))  # one per batch
+    print(f"[{args.method}] {len(results)} requests in batches of up to {batch}: {total} tokens, "
+          f"{total / max(seconds - compiling, 1e-9):.1f} tokens/s" +
+          (f" (+{compiling:.1f} s compiling)" if compiling else ""), file=sys.stderr)
+    return 0
+
+
+def check_text(prompt: str) -> str:
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the prompt is not valid UTF-8 text") from None
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    return prompt
+
+
+def read_prompts_file(path: str) -> list[tuple[str, int | None]]:
+    """(prompt, seed or None) per non-blank line of a --prompts-file: a JSON string, or an object with "prompt"
+    and optionally "seed"."""
+    requests = []
+    with open(path, encoding="utf-8") as f:
+        try:
+            lines = f.read().splitlines()
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from None
+        if isinstance(item, str):
+            item = {"prompt": item}
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or \
+                set(item) - {"prompt", "seed"}:
+            raise ValueError(f'{where}: expected a JSON string or an object {{"prompt": str, "seed": int}}')
+        seed = item.get("seed")
+        if seed is not None:
+            check_int(f"{where}: seed", seed, 0)
+        try:
+            requests.append((check_text(item["prompt"]), seed))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    if not requests:
+        raise ValueError(f"{path}: no prompts")
+    return requests
 
 
 def main(argv=None) -> int:

@@ -1,10 +1,10 @@
 """DFlash block-diffusion drafter (z-lab checkpoint format) in our own modules.
 
-A round drafts one block `[bonus, MASK x (block_size - 1)]` at absolute positions start .. start + block_size - 1.
-Every layer is a Qwen3 layer whose keys/values are those of the context (the target's chosen-layer outputs of the
-committed tokens, fused by `fc` + `hidden_norm`) followed by those of the block; the block attends to all of the
-context and bidirectionally to itself. Output k >= 1 is the distribution of the token at start + k, so one
-forward gives block_size - 1 per-position distributions. The embedding and lm_head are the target's.
+A round drafts one block `[bonus, MASK x (block_size - 1)]` per request at absolute positions start .. start +
+block_size - 1. Every layer is a Qwen3 layer whose keys/values are those of the context (the target's chosen-layer
+outputs of the committed tokens, fused by `fc` + `hidden_norm`) followed by those of the block; the block attends
+to all of the context and bidirectionally to itself. Output k >= 1 is the distribution of the token at start + k,
+so one forward gives block_size - 1 per-position distributions. The embedding and lm_head are the target's.
 
 Only the context's K/V persist between rounds (one cache buffer per layer, like the target's); the block's K/V
 are written into the slots just after the context and overwritten by the next round. Context features are
@@ -91,43 +91,46 @@ class DFlashDrafter(nn.Module):
         self.target_parts = (target.embed_tokens, target.lm_head)
         return self
 
-    def setup_cache(self, length: int):
-        allocate_kv_caches(self.layers, length, self.dtype, self.device)
+    def setup_cache(self, length: int, batch: int = 1):
+        allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
 
     def append_context(self, features, positions, cache_pos):
-        """Write the context K/V of committed tokens: features [W, len(ids) * hidden] (the target's chosen-layer
-        outputs), at RoPE positions and cache slots [W]. No attention: context rows are keys, never queries."""
+        """Write the context K/V of committed tokens: features [N, W, len(ids) * hidden] (the target's chosen-layer
+        outputs), at RoPE positions and cache slots [N, W] (request n in cache row n). No attention: context rows
+        are keys, never queries."""
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
-        cos, sin = rope_cos_sin(positions, self.inv_freq, ctx.dtype)
+        cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, ctx.dtype))
         for layer in self.layers:
             layer.self_attn.write_kv(ctx, cos, sin, cache_pos)
 
     def forward(self, block_tokens, positions, cache_pos, block_mask):
-        """One denoising pass over a block [block_size] -> float32 logits [block_size, vocab] (row k predicts the
-        token at position start + k; row 0 is the bonus's own row and is not a prediction)."""
+        """One denoising pass over blocks [N, block_size] -> float32 logits [N, block_size, vocab] (row k predicts
+        the token at position start + k; row 0 is the bonus's own row and is not a prediction)."""
         embed, lm_head = self.target_parts
         x = embed(block_tokens)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, x.dtype))
         for layer in self.layers:
             x = layer(x, cos, sin, cache_pos, block_mask)
         return lm_head(self.norm(x)).float()
 
     def draft(self, bonus, start, block_mask, denoise_steps: int = 1):
-        """Per-position draft logits [block_size - 1, vocab] for the positions after the bonus at `start`.
+        """Per-position draft logits [N, block_size - 1, vocab] for the positions after each request's bonus [N]
+        at start [N].
 
-        `block_mask` must let the block see slots [0, start + block_size) (tree_attn.PrefixMask with all-ones
-        allow). With denoise_steps T > 1, each pass unmasks the most confident still-masked positions (their
-        argmax) and the next pass conditions on them; each position keeps the logits of the pass that decided
-        it (the last pass for those still masked), so the draft is the same per-position form as with T = 1.
+        `block_mask` must let request n's block see slots [0, start[n] + block_size) (tree_attn.PrefixMask with
+        all-ones allow). With denoise_steps T > 1, each pass unmasks the most confident still-masked positions
+        (their argmax) and the next pass conditions on them; each position keeps the logits of the pass that
+        decided it (the last pass for those still masked), so the draft is the same per-position form as with
+        T = 1.
         """
-        bs = self.block_size
-        pos = start + torch.arange(bs, device=bonus.device)
-        masks = torch.full((bs - 1,), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
-        tokens = torch.cat([bonus.view(1), masks])
-        logits = self(tokens, pos, pos, block_mask)[1:]
+        bs, n = self.block_size, bonus.shape[0]
+        pos = start[:, None] + torch.arange(bs, device=bonus.device)
+        masks = torch.full((n, bs - 1), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
+        tokens = torch.cat([bonus[:, None], masks], dim=1)
+        logits = self(tokens, pos, pos, block_mask)[:, 1:]
         if denoise_steps == 1:
             return logits
-        masked = torch.ones(bs - 1, dtype=torch.bool, device=bonus.device)
+        masked = torch.ones(n, bs - 1, dtype=torch.bool, device=bonus.device)
 
         def decided_after(passes):  # an equal share of the block is decided by each pass
             return -(-(bs - 1) * passes // denoise_steps)
@@ -135,11 +138,11 @@ class DFlashDrafter(nn.Module):
         for step in range(1, denoise_steps):
             count = decided_after(step) - decided_after(step - 1)
             confidence = logits.log_softmax(-1).amax(-1).masked_fill(~masked, -float("inf"))
-            chosen = torch.zeros_like(masked).scatter(0, confidence.topk(count).indices, True) & masked
-            tokens = torch.cat([tokens[:1], torch.where(chosen, logits.argmax(-1), tokens[1:])])
+            chosen = torch.zeros_like(masked).scatter(1, confidence.topk(count, dim=-1).indices, True) & masked
+            tokens = torch.cat([tokens[:, :1], torch.where(chosen, logits.argmax(-1), tokens[:, 1:])], dim=1)
             masked = masked & ~chosen
-            new = self(tokens, pos, pos, block_mask)[1:]
-            logits = torch.where(masked[:, None], new, logits)
+            new = self(tokens, pos, pos, block_mask)[:, 1:]
+            logits = torch.where(masked[..., None], new, logits)
         return logits
 
     @classmethod

@@ -3,8 +3,9 @@
 The forward takes token ids, their RoPE positions and the cache slots their K/V go to (they differ in a tree
 verify: a node at depth d sits at position start + d but in slot start + row), attends with the mask from
 tree_attn.py (FlexAttention, or SDPA when the mask comes materialized), and returns float32 logits for the
-requested rows plus, on request, the outputs of chosen layers (the drafter's context features). Batch size 1; the
-K/V cache is static, one buffer per layer. Config and modules come first, then loading (files, hub, weights).
+requested rows plus, on request, the outputs of chosen layers (the drafter's context features). Inputs carry a
+batch of independent requests (each with its own rows, positions, slots and cache row); the K/V cache is static,
+one buffer per layer with a row per request. Config and modules come first, then loading (files, hub, weights).
 """
 
 import json
@@ -149,13 +150,14 @@ def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """cos, sin [..., head_dim] for positions [...]."""
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    """Rotate-half RoPE. x: [1, heads, Q, head_dim]; cos/sin: [Q, head_dim]."""
+    """Rotate-half RoPE. x: [N, heads, Q, head_dim]; cos/sin: [N, 1, Q, head_dim] (or broadcastable to it)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -177,8 +179,9 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x):
-        if CPU_ONE_ROW_REDUCTION and x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-            return (x[:, None, :] * self.weight[None]).sum(-1)
+        if CPU_ONE_ROW_REDUCTION and x.shape[:-1].numel() == 1 and x.device.type == "cpu" and \
+                torch.compiler.is_compiling():
+            return (x[..., None, :] * self.weight).sum(-1)
         return F.linear(x, self.weight)
 
 
@@ -197,30 +200,41 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
 
     def project_kv(self, x, cos, sin):
-        """K (normed, roped) and V of rows x [Q, hidden] as [1, kv_heads, Q, head_dim]."""
-        q_len = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(q_len, self.kv_heads, self.head_dim)).transpose(0, 1)[None]
-        v = self.v_proj(x).view(q_len, self.kv_heads, self.head_dim).transpose(0, 1)[None]
+        """K (normed, roped) and V of rows x [N, Q, hidden] as [N, kv_heads, Q, head_dim]."""
+        n, q_len = x.shape[:2]
+        k = self.k_norm(self.k_proj(x).view(n, q_len, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(n, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
     def write_kv(self, x, cos, sin, cache_pos):
+        """Each request's K/V into its own cache row: request n's row q goes to slot cache_pos[n, q]."""
         k, v = self.project_kv(x, cos, sin)
-        self.k_cache.index_copy_(2, cache_pos, k)
-        self.v_cache.index_copy_(2, cache_pos, v)
+        write_slots(self.k_cache, cache_pos, k)
+        write_slots(self.v_cache, cache_pos, v)
 
     def forward(self, x, cos, sin, cache_pos, mask):
-        q_len = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(q_len, self.heads, self.head_dim)).transpose(0, 1)[None]
+        n, q_len = x.shape[:2]
+        q = self.q_norm(self.q_proj(x).view(n, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         self.write_kv(x, cos, sin, cache_pos)
         scale, gqa = self.head_dim ** -0.5, self.heads != self.kv_heads
         if isinstance(mask, torch.Tensor):  # dense, over the KV slots it covers (tree_attn.PrefixMask, dense=True)
-            n = mask.shape[1]
-            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :n], self.v_cache[:, :, :n], attn_mask=mask,
+            kv = mask.shape[-1]
+            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :kv], self.v_cache[:, :, :kv], attn_mask=mask,
                                                  scale=scale, enable_gqa=gqa)
         else:
             out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale, enable_gqa=gqa)
-        return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(n, q_len, self.heads * self.head_dim))
+
+
+def write_slots(cache, slots, values):
+    """cache [N, H, S, D][n, :, slots[n, q]] = values [N, H, Q, D][n, :, q]. One request: index_copy along the slot
+    dim (what the single-request engine always did); several: one indexed write with a batch index."""
+    if cache.shape[0] == 1:
+        cache.index_copy_(2, slots[0], values)
+    else:
+        batch = torch.arange(cache.shape[0], device=cache.device)[:, None]
+        cache[batch, :, slots] = values.transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -333,14 +347,15 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def allocate_kv_caches(layers, length: int, dtype, device):
-    """One K and one V buffer per layer ([1, kv_heads, length, head_dim]), never views of one stacked buffer:
+def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
+    """One K and one V buffer per layer ([batch, kv_heads, length, head_dim]: a row per request), never views of
+    one stacked buffer:
     compiled FlexAttention reads such views wrongly (docs/compile.md, "stacked KV buffer views"). Buffers that
     already have that shape, dtype and device are kept (compiled graphs and CUDA graphs hold on to them)."""
     with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
         for layer in layers:
             attn = layer.self_attn
-            shape = (1, attn.kv_heads, length, attn.head_dim)
+            shape = (batch, attn.kv_heads, length, attn.head_dim)
             old = attn.k_cache
             if old is not None and old.shape == shape and old.dtype == dtype and old.device == torch.device(device):
                 continue
@@ -371,9 +386,10 @@ class Qwen3(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def setup_cache(self, length: int):
-        """Allocate (or reuse) one K and one V buffer per layer for `length` slots (a multiple of 128)."""
-        allocate_kv_caches(self.layers, length, self.dtype, self.device)
+    def setup_cache(self, length: int, batch: int = 1):
+        """Allocate (or reuse) one K and one V buffer per layer for `batch` requests of `length` slots (a multiple
+        of 128)."""
+        allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
 
     def kv_caches(self):
         for layer in self.layers:
@@ -381,10 +397,16 @@ class Qwen3(nn.Module):
             yield layer.self_attn.v_cache
 
     def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=()):
-        """tokens, input_pos, cache_pos: [Q] int64. Returns (float32 logits [len(logits_rows) or Q, V],
-        features [Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers, concatenated."""
+        """tokens, input_pos, cache_pos: [N, Q] int64 (request n's rows, their RoPE positions and cache slots in
+        cache row n), or [Q] for one request. Returns (float32 logits [N, len(logits_rows) or Q, V], features
+        [N, Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers, concatenated; without the
+        leading N for 1-D input. logits_rows: [N, k] rows of each request to take logits of (or [k])."""
+        if tokens.dim() == 1:
+            rows = None if logits_rows is None else logits_rows[None]
+            logits, features = self(tokens[None], input_pos[None], cache_pos[None], block_mask, rows, feature_layers)
+            return logits[0], (None if features is None else features[0])
         x = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(input_pos, self.inv_freq, x.dtype)
+        cos, sin = (t[:, None] for t in rope_cos_sin(input_pos, self.inv_freq, x.dtype))
         outputs, last = {}, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache_pos, block_mask)
@@ -393,7 +415,7 @@ class Qwen3(nn.Module):
                 # read the last layer were trained on that: match it (docs/checkpoints.md, "context features").
                 outputs[i] = self.norm(x) if i == last else x
         if logits_rows is not None:
-            x = x[logits_rows]
+            x = x.gather(1, logits_rows[..., None].expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(self.norm(x)).float()
         # In the listed order, repeats included: the drafter's fc columns follow its target_layer_ids list.
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None

@@ -28,26 +28,28 @@ def round_up(n: int, multiple: int = BLOCK) -> int:
 
 
 class PrefixMask:
-    """The mask for `q_len` rows written at slots [prefix, prefix + q_len) of a `kv_len`-slot cache. `set` returns
-    what the attention layers take: the BlockMask (FlexAttention), or with dense=True the same mask as a boolean
-    matrix over the KV slots it visits (SDPA: eager FlexAttention on the CPU runs a vmapped math fallback)."""
+    """The mask for `q_len` rows written at slots [prefix, prefix + q_len) of a `kv_len`-slot cache, for `batch`
+    requests at once: request n has its own prefix[n] and allow[n] (one cache row each). `set` returns what the
+    attention layers take: the BlockMask (FlexAttention), or with dense=True the same mask as a boolean
+    [batch, 1, q_len, slots] tensor over the KV slots it visits (SDPA: eager FlexAttention on the CPU runs a
+    vmapped math fallback)."""
 
-    def __init__(self, q_len: int, kv_len: int, device, dense: bool = False):
+    def __init__(self, q_len: int, kv_len: int, device, dense: bool = False, batch: int = 1):
         assert kv_len % BLOCK == 0, "cache length must be a multiple of the FlexAttention block"
-        self.q_len, self.kv_len, self.dense = q_len, kv_len, dense
-        self.prefix = torch.zeros((), dtype=torch.int64, device=device)
+        self.q_len, self.kv_len, self.dense, self.batch = q_len, kv_len, dense, batch
+        self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
         # Bytes, not bool: the round rewrites this matrix, and inductor's CPU code writes bool tensors many times
         # slower than bytes (docs/compile.md, "allow matrix as bytes"). Nonzero = allowed. The compiled round
         # writes it with pointwise ops only: compiled CPU FlexAttention (torch 2.13) reads a scatter-built matrix
         # wrongly, and a bool-to-byte copy fails to lower (docs/compile.md, "writing the allow matrix").
-        self.allow = torch.zeros(q_len, q_len, dtype=torch.uint8, device=device)
+        self.allow = torch.zeros(batch, q_len, q_len, dtype=torch.uint8, device=device)
         n_q, n_kv = -(-q_len // BLOCK), kv_len // BLOCK
-        self.kv_num_blocks = torch.full((1, 1, n_q), n_kv, dtype=torch.int32, device=device)
-        kv_indices = torch.arange(n_kv, dtype=torch.int32, device=device).expand(1, 1, n_q, n_kv).contiguous()
+        self.kv_num_blocks = torch.full((batch, 1, n_q), n_kv, dtype=torch.int32, device=device)
+        kv_indices = torch.arange(n_kv, dtype=torch.int32, device=device).expand(batch, 1, n_q, n_kv).contiguous()
         # No block is "full" (mask-free): the mask_mod decides everything. The C++ kernel wants these tensors
         # present and distinct from kv_indices (docs/compile.md, "full-block tensors").
-        full_num = torch.zeros(1, 1, n_q, dtype=torch.int32, device=device)
-        full_idx = torch.zeros(1, 1, n_q, n_kv, dtype=torch.int32, device=device)
+        full_num = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
+        full_idx = torch.zeros(batch, 1, n_q, n_kv, dtype=torch.int32, device=device)
         # The compiled steps write prefix, allow and kv_num_blocks in place. CUDA graph trees refuse graphs that
         # mutate inputs they do not know to stay put (they would run the step uncaptured); these never move.
         for t in (self.prefix, self.allow, self.kv_num_blocks):
@@ -55,9 +57,9 @@ class PrefixMask:
         prefix, allow, last = self.prefix, self.allow, q_len - 1
 
         def mask_mod(b, h, q, kv):
-            rel = kv - prefix
+            rel = kv - prefix[b]
             new = (rel >= 0) & (rel <= last)
-            return (kv < prefix) | (new & (allow[q.clamp(0, last), rel.clamp(0, last)] != 0))
+            return (kv < prefix[b]) | (new & (allow[b, q.clamp(0, last), rel.clamp(0, last)] != 0))
 
         self.mask_mod = mask_mod
         self.block_mask = BlockMask.from_kv_blocks(
@@ -65,30 +67,36 @@ class PrefixMask:
             seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
     def set(self, prefix, allow: torch.Tensor | None = None):
-        """Point the mask at a new prefix length (int or 0-d tensor) and, optionally, a new allow matrix."""
+        """Point the mask at new prefix lengths (one per request [N], or an int for all) and, optionally, new allow
+        matrices ([q_len, q_len] for every request, or [N, q_len, q_len]). Compiled code passes both per request
+        ([N] and [N, q_len, q_len]): compiled CPU FlexAttention (torch 2.13) fails to lower a mask whose tensors
+        the graph broadcasts from fewer dimensions (NoValidChoicesError), as it fails on an allow matrix still
+        inlined as elementwise ops."""
         self.prefix.copy_(torch.as_tensor(prefix, dtype=torch.int64))
         if allow is not None:
             # Inside a compiled graph the mask_mod reads `allow` itself, not the buffer. as_strided makes inductor
             # store it first: torch 2.11's CPU FlexAttention lowering fails on a matrix still inlined as a chain of
             # elementwise ops (NoValidChoicesError: "Pointwise" has no name), e.g. an even number of doublings.
             self.allow.copy_(allow.as_strided(allow.shape, allow.stride()))
-        # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len).
+        # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len), per request.
         blocks = (self.prefix + self.q_len + BLOCK - 1) // BLOCK
-        self.kv_num_blocks.copy_(blocks.clamp(max=self.kv_len // BLOCK).to(torch.int32).expand_as(self.kv_num_blocks))
+        self.kv_num_blocks.copy_(blocks.clamp(max=self.kv_len // BLOCK).to(torch.int32)[:, None, None]
+                                 .expand_as(self.kv_num_blocks))
         return dense_mask(self.block_mask) if self.dense else self.block_mask
 
 
 def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor:
-    """A PrefixMask's BlockMask as a boolean [q_len, kv_len] matrix, its mask_mod evaluated by broadcasting (it is
-    plain elementwise tensor code). kv_len defaults to the slots of the KV blocks it visits, which are blocks 0, 1,
-    ... in order (one host read)."""
+    """A PrefixMask's BlockMask as a boolean [batch, 1, q_len, kv_len] tensor, its mask_mod evaluated by
+    broadcasting (it is plain elementwise tensor code). kv_len defaults to the slots of the KV blocks the longest
+    request visits, which are blocks 0, 1, ... in order (one host read)."""
     q_len, full = block_mask.seq_lengths
     if kv_len is None:
         kv_len = min(full, int(block_mask.kv_num_blocks.max()) * block_mask.BLOCK_SIZE[1])
     device = block_mask.kv_indices.device
+    b = torch.arange(block_mask.kv_indices.shape[0], device=device)[:, None, None, None]
     q = torch.arange(q_len, device=device)[:, None]
     kv = torch.arange(kv_len, device=device)[None, :]
-    return block_mask.mask_mod(0, 0, q, kv)
+    return block_mask.mask_mod(b, 0, q, kv)
 
 
 def causal(n: int, device=None) -> torch.Tensor:
@@ -96,12 +104,21 @@ def causal(n: int, device=None) -> torch.Tensor:
 
 
 def compact_kv(caches, prefix, rows: torch.Tensor):
-    """Move the K/V of the accepted rows (slots prefix + rows) to contiguous slots prefix + 0, 1, ...
+    """Move the K/V of each request's accepted rows (slots prefix[n] + rows[n]) to contiguous slots prefix[n] + 0,
+    1, ... of its cache row. prefix [N], rows [N, R] (or 0-d and [R] for one request).
 
     `rows` has a fixed length (padded with anything: the slots they land in lie beyond the new prefix and are
     never attended before being overwritten), so this compiles to one gather and one scatter per cache.
     """
+    prefix = torch.as_tensor(prefix, device=rows.device).view(-1, 1)
+    rows = rows.view(prefix.shape[0], -1)
     src = prefix + rows
-    dst = prefix + torch.arange(rows.numel(), device=rows.device)
+    dst = prefix + torch.arange(rows.shape[1], device=rows.device)
+    if rows.shape[0] == 1:  # one request: along the slot dim, as the single-request engine always did
+        src, dst = src[0], dst[0]
+        for cache in caches:
+            cache.index_copy_(2, dst, cache.index_select(2, src))
+        return
+    batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
     for cache in caches:
-        cache.index_copy_(2, dst, cache.index_select(2, src))
+        cache[batch, :, dst] = cache[batch, :, src]

@@ -19,7 +19,7 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
         sys.path.insert(0, p)
 from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint, stdlib_files  # noqa: E402
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
-from ddtree import Engine, Speculation, cache_length, generate  # noqa: E402
+from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
@@ -87,9 +87,9 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     if compile:  # engine.round is compiled already, as the engine runs it
         engine.draft, engine.verify, context = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
                                                 for f in (engine.draft, engine.verify, context))
-    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), device=dev)
-    bonus, _ = engine.prefill(prompt)
-    bonus, start = bonus.view(1), torch.tensor(prompt_len, device=dev)
+    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,)).tolist()
+    bonus, _ = engine.prefill([prompt])  # a batch of one request: every tensor below has a leading 1
+    start = torch.tensor([prompt_len], device=dev)
     # Outputs of a CUDA graph are overwritten by its next replay: every output used later is cloned.
     keep = lambda out: tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
     ms = {}
@@ -101,7 +101,8 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     rows, pos, logits, features = keep(out)
     ms["walk"], (path, length, nxt, _) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
                                             repeats)
-    feats, positions = features[path], pos[path]
+    feats = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+    positions = pos.gather(1, path)
     ms["compact"], _ = timed(lambda: compact_kv(target.kv_caches(), start, path), dev, repeats)
     ms["context"], _ = timed(lambda: context(start, feats, positions), dev, repeats)
     ms["sum"] = sum(ms.values())
@@ -247,3 +248,18 @@ def run(target, drafter, prompts, method, budget, new_tokens, compile, denoise):
         tokens += res.stats["new_tokens"]
         seconds += res.stats["seconds"]
     return dict(tau=sum(accepted) / len(accepted), tokens_per_s=tokens / seconds, accepted=accepted)
+
+
+def batched_run(target, drafter, prompts, method, budget, new_tokens, compile, batch, passes=2):
+    """Greedy generate_batch over all prompts, `batch` requests at a time (1: one request after another):
+    tokens/s of the whole set over wall time, the best of `passes` after a warm-up pass (compile, caches)."""
+    kw = dict(method=method, budget=budget if method == "ddtree" else None, max_new_tokens=new_tokens, stop_ids=[],
+              compile=compile, max_batch=batch)
+    generate_batch(target, drafter, prompts[:batch], **kw)
+    best = 0.0
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        results = generate_batch(target, drafter, prompts, **kw)
+        seconds = time.perf_counter() - t0 - sum(r.stats["compile_seconds"] for r in results[::batch])
+        best = max(best, sum(r.stats["new_tokens"] for r in results) / seconds)
+    return best

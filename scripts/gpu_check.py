@@ -136,8 +136,8 @@ def ar_steps(target, device, compile_mode, repeats=20):
     if compile_mode:
         step = torch.compile(engine._decode, dynamic=False, fullgraph=True,
                              mode="reduce-overhead" if compile_mode == "cudagraphs" else None)
-    token, start = torch.tensor([1], device=device), torch.tensor(512, device=device)
-    engine.prefill(torch.randint(0, 100, (512,), device=device))
+    token, start = torch.tensor([1], device=device), torch.tensor([512], device=device)  # a batch of one
+    engine.prefill([torch.randint(0, 100, (512,)).tolist()])
     t = time.time()
     step(token, start, None)  # compiles (and captures) on the first call
     sync(device)

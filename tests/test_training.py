@@ -178,8 +178,8 @@ def test_drafter_training_forward_equals_draft(pair):
         for j, a in enumerate(anchors[b].tolist()):
             _, ctx = inference_forward(target, tokens[b, :a], feature_layers=ids)  # the inference path throughout
             with torch.no_grad():
-                drafter.append_context(ctx, torch.arange(a), torch.arange(a))
-                ref = drafter.draft(tokens[b, a:a + 1], torch.tensor(a), draft_mask.set(a))
+                drafter.append_context(ctx[None], torch.arange(a)[None], torch.arange(a)[None])  # a batch of one
+                ref = drafter.draft(tokens[b, a:a + 1], torch.tensor([a]), draft_mask.set(a))[0]
             assert (logits[b, j * bs + 1:(j + 1) * bs] - ref).abs().max() < TOL, (b, a)
 
 

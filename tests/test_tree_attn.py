@@ -46,9 +46,9 @@ def test_tree_mask_equals_dense_sdpa(budget, depth, vocab, prefix, seed):
     mask = PrefixMask(budget + 1, KV_LEN, "cpu")
     block_mask = mask.set(prefix, anc)
     dense = explicit_mask(prefix, anc, budget + 1)
-    assert torch.equal(dense_mask(mask.block_mask, KV_LEN), dense)
+    assert torch.equal(dense_mask(mask.block_mask, KV_LEN)[0, 0], dense)
     # dense=True hands SDPA the same mask over the KV blocks it visits, and nothing is visible past them
-    as_sdpa = PrefixMask(budget + 1, KV_LEN, "cpu", dense=True).set(prefix, anc)
+    as_sdpa = PrefixMask(budget + 1, KV_LEN, "cpu", dense=True).set(prefix, anc)[0, 0]
     assert torch.equal(as_sdpa, dense[:, :as_sdpa.shape[1]]) and not dense[:, as_sdpa.shape[1]:].any()
     q, k, v = qkv(budget + 1, seed)
     out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
@@ -63,7 +63,7 @@ def test_mask_rows_see_only_prefix_and_ancestors():
     assert torch.equal(anc, expected)
     mask = PrefixMask(4, KV_LEN, "cpu")
     mask.set(10, anc)
-    dense = dense_mask(mask.block_mask, KV_LEN)
+    dense = dense_mask(mask.block_mask, KV_LEN)[0, 0]
     assert dense[:, :10].all() and not dense[:, 14:].any()
     assert torch.equal(dense[:, 10:14], expected)
 
@@ -109,7 +109,7 @@ def test_tree_mask_built_inside_the_compiled_graph_matches_sdpa(depth):
             parents, anc = random_tree(budget, depth, 3 + round_ % 4, seed=round_)
             prefix = 7 * round_ + round_ % 3
             q, _, _ = qkv(budget + 1, seed=round_)
-            out = attend(q, torch.tensor(prefix), parents)
+            out = attend(q, torch.tensor([prefix]), parents[None])  # per request: see PrefixMask.set
             torch.testing.assert_close(out, sdpa_reference(q, k, v, explicit_mask(prefix, anc, budget + 1)),
                                        atol=1e-5, rtol=1e-5)
 
@@ -131,3 +131,36 @@ def test_compact_kv_moves_the_path_to_contiguous_slots():
     compact_kv([cache], prefix, path)
     assert torch.equal(cache[:, :, :prefix], before[:, :, :prefix])  # the committed prefix is untouched
     assert torch.equal(cache[:, :, prefix:prefix + 4], before[:, :, [10, 12, 15, 16]])
+
+
+def test_batched_mask_gives_each_request_its_own_prefix_and_tree():
+    # Three requests, each with its own prefix and tree: row n of the batched mask is request n's own mask, in the
+    # BlockMask's mask_mod, in the dense form, and in what FlexAttention computes.
+    budget, depth = 9, 4
+    trees = [random_tree(budget, depth, 3, seed) for seed in (1, 2, 3)]
+    prefixes = torch.tensor([0, 130, 57])
+    mask = PrefixMask(budget + 1, KV_LEN, "cpu", batch=3)
+    block_mask = mask.set(prefixes, torch.stack([anc.to(torch.uint8) for _, anc in trees]))
+    dense = dense_mask(mask.block_mask, KV_LEN)
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 2, 1]
+    q, k, v = (torch.cat(parts) for parts in zip(*(qkv(budget + 1, seed=s) for s in (5, 6, 7))))
+    out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    for n, (_, anc) in enumerate(trees):
+        expected = explicit_mask(int(prefixes[n]), anc, budget + 1)
+        assert torch.equal(dense[n, 0], expected)
+        torch.testing.assert_close(out[n:n + 1], sdpa_reference(q[n:n + 1], k[n:n + 1], v[n:n + 1], expected),
+                                   atol=1e-5, rtol=1e-5)
+    as_sdpa = PrefixMask(budget + 1, KV_LEN, "cpu", dense=True, batch=3).set(prefixes, mask.allow)
+    assert torch.equal(as_sdpa, dense[..., :as_sdpa.shape[-1]])
+
+
+def test_compact_kv_moves_each_requests_path_in_its_own_row():
+    cache = torch.arange(3 * 2 * 40, dtype=torch.float32).view(3, 2, 40, 1).repeat(1, 1, 1, 3)
+    before = cache.clone()
+    prefixes = torch.tensor([10, 0, 25])
+    paths = torch.tensor([[0, 2, 5, 0], [0, 1, 2, 3], [0, 3, 0, 0]])
+    compact_kv([cache], prefixes, paths)
+    for n, (prefix, path) in enumerate(zip(prefixes.tolist(), paths.tolist())):
+        single = before[n:n + 1].clone()
+        compact_kv([single], prefix, torch.tensor(path))
+        assert torch.equal(cache[n:n + 1], single)

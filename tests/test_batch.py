@@ -1,0 +1,184 @@
+"""generate_batch: many requests in one engine, each the same as its lone run.
+
+Greedy: every request of a batch gives exactly its lone run's tokens and per-round counts, for ar, dflash and
+ddtree, with ragged prompts (one longer than a prefill chunk), requests that stop early, and more requests than
+one batch holds. Seeded sampling: request i of a batch is the same sample as generate(seed=seeds[i]). Compiled
+batches equal eager ones, reuse their graphs and read the host once per round. The command line's
+--prompts-file."""
+
+import io
+import contextlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import ddtree
+from conftest import HostReads
+from ddtree import batch_bucket, generate, generate_batch
+from drafter import DFlashDrafter
+from model import Qwen3
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
+
+VOCAB = 16
+STOP = 1
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, one_thread):
+    root = tmp_path_factory.mktemp("batch")
+    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, eos=(STOP, 0))
+    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[STOP])
+    dc = dflash_config(tc, layers=2, block_size=5, target_layer_ids=[0, 2])
+    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=5, std=0.35))
+    return (Qwen3.from_pretrained(str(root / "target"), device="cpu"),
+            DFlashDrafter.from_pretrained(str(root / "draft"), device="cpu"))
+
+
+def ragged_prompts(n, seed=0):
+    """n prompts of different lengths, the second one longer than a prefill chunk."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7, ddtree.PREFILL_CHUNK + 12] + [int(torch.randint(1, 40, (1,), generator=g)) for _ in range(n - 2)]
+    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+METHODS = [("ar", {}), ("dflash", {}), ("ddtree", dict(budget=6))]
+
+
+@pytest.mark.parametrize("method, kw", METHODS, ids=[m for m, _ in METHODS])
+def test_greedy_batch_equals_each_lone_run(pair, method, kw):
+    target, drafter = pair
+    prompts = ragged_prompts(6)
+    # 6 requests in batches of at most 4 (a batch of 4, then one of 2); the stop token ends some of them early.
+    batch = generate_batch(target, drafter, prompts, method=method, max_new_tokens=24, stop_ids=[STOP], max_batch=4,
+                           **kw)
+    lone = [generate(target, drafter, p, method=method, max_new_tokens=24, stop_ids=[STOP], **kw) for p in prompts]
+    assert [r.tokens for r in batch] == [r.tokens for r in lone]
+    assert [r.stats["accepted"] for r in batch] == [r.stats["accepted"] for r in lone]
+    assert [r.stats["verified"] for r in batch] == [r.stats["verified"] for r in lone]
+    assert [r.stats["batch"] for r in batch] == [4] * 4 + [2] * 2
+    assert any(r.tokens[-1] == STOP and len(r.tokens) < 24 for r in lone), "no request stopped early"
+    assert any(len(r.tokens) == 24 for r in lone), "every request stopped early"
+
+
+SAMPLED = [("ar", dict(temperature=1.0)),
+           ("dflash", dict(temperature=0.8, top_k=6, draft_sampling=True)),
+           ("ddtree", dict(budget=6, temperature=0.9, top_p=0.9))]
+
+
+@pytest.mark.parametrize("method, kw", SAMPLED, ids=[m for m, _ in SAMPLED])
+def test_seeded_batch_request_is_the_lone_sample(pair, method, kw):
+    target, drafter = pair
+    prompts, seeds = ragged_prompts(5, seed=1), [11, 12, 13, 14, 15]
+    batch = generate_batch(target, drafter, prompts, method=method, max_new_tokens=20, seeds=seeds, stop_ids=[],
+                           **kw)
+    lone = [generate(target, drafter, p, method=method, max_new_tokens=20, seed=s, stop_ids=[], **kw)
+            for p, s in zip(prompts, seeds)]
+    assert [r.stats["seed"] for r in batch] == seeds
+    assert [r.tokens for r in batch] == [r.tokens for r in lone]
+    # and the seeds matter: other seeds give other samples
+    other = generate_batch(target, drafter, prompts, method=method, max_new_tokens=20, seeds=[21, 22, 23, 24, 25],
+                           stop_ids=[], **kw)
+    assert [r.tokens for r in other] != [r.tokens for r in batch]
+
+
+def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(pair):
+    from torch._dynamo.utils import counters
+    target, drafter = pair
+    run = lambda prompts, compile: generate_batch(target, drafter, prompts, method="ddtree", budget=6,
+                                                  max_new_tokens=16, stop_ids=[STOP], compile=compile)
+    first, second = ragged_prompts(3, seed=2), ragged_prompts(4, seed=3)[::-1]  # batch 3 and 4: the same bucket
+    assert batch_bucket(3, 16) == batch_bucket(4, 16) == 4
+    eager = [[r.tokens for r in run(prompts, False)] for prompts in (first, second)]
+    assert [r.tokens for r in run(first, True)] == eager[0]
+    counters.clear()
+    with HostReads() as reads:
+        compiled = run(second, True)
+    assert [r.tokens for r in compiled] == eager[1]
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    # One read per round of the batch (the batch runs until its longest request ends) and one for the prefill.
+    assert reads.count == max(r.stats["rounds"] for r in compiled) + 1
+
+
+def test_batch_bucket_is_a_power_of_two_within_the_limit():
+    assert [batch_bucket(n, 16) for n in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert batch_bucket(5, 6) == 6
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(prompts=[]), ValueError, "no prompts"),
+    (dict(prompts=[1, 2, 3]), TypeError, "prompt 0: prompt_ids must be"),
+    (dict(prompts=[[2, 3], []]), ValueError, "prompt 1: the prompt is empty"),
+    (dict(prompts=[[2, 3], [VOCAB]]), ValueError, r"prompt 1: prompt ids must lie in"),
+    (dict(prompts="abc"), TypeError, "prompts must be a list"),
+    (dict(prompts=[[2]], seeds=[1, 2]), TypeError, "one int \\(or None\\) per prompt"),
+    (dict(prompts=[[2], [3]], seeds=[1, -1]), ValueError, "prompt 1: seed must be in"),
+    (dict(prompts=[[2]], max_batch=0), ValueError, "max_batch must be in"),
+    (dict(prompts=[[2]], on_tokens=5), TypeError, "on_tokens must be a function"),
+])
+def test_bad_batch_input_is_one_clear_error(pair, kwargs, error, message):
+    target, _ = pair
+    with pytest.raises(error, match=message):
+        generate_batch(target, None, method="ar", **kwargs)
+
+
+def test_on_tokens_streams_each_request_by_index(pair):
+    target, drafter = pair
+    prompts = ragged_prompts(3, seed=4)
+    streamed = {}
+    results = generate_batch(target, drafter, prompts, method="ddtree", budget=4, max_new_tokens=12, stop_ids=[],
+                             on_tokens=lambda i, new: streamed.setdefault(i, []).extend(new))
+    assert [streamed[i] for i in range(3)] == [r.tokens for r in results]
+
+
+# ---- the command line: --prompts-file ------------------------------------------------------------------------------
+
+
+def cli(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = ddtree.main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_prompts_file_gives_each_request_its_lone_result(tmp_path, one_thread):
+    lines = ['"def f(x):"', json.dumps({"prompt": "import os\n", "seed": 7}), "", json.dumps("class A:")]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    common = ["--max-new-tokens", "10", "--no-chat", "--temperature", "0.8", "--seed", "100", "--budget", "8"]
+    code, out, err = cli("--prompts-file", str(path), "--batch-size", "2", *common)
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2] and "3 requests" in err
+    # --seed S gives request i the seed S + i, unless its line has its own
+    assert [r["stats"]["seed"] for r in rows] == [100, 7, 102]
+    for row, prompt in zip(rows, ["def f(x):", "import os\n", "class A:"]):
+        lone = cli("--prompt", prompt, *common[:-4], "--seed", str(row["stats"]["seed"]), "--budget", "8",
+                   "--json")[1]
+        assert json.loads(lone)["tokens"] == row["tokens"]
+
+
+@pytest.mark.parametrize("content, extra, message", [
+    ("{not json\n", [], "line 1: not JSON"),
+    ('"ok"\n[1, 2]\n', [], "line 2: expected a JSON string or an object"),
+    ('{"prompt": "x", "temperature": 1}\n', [], "line 1: expected a JSON string or an object"),
+    ('""\n', [], "line 1: the prompt is empty"),
+    ('{"prompt": "x", "seed": -2}\n', [], "seed must be in"),
+    ("\n\n", [], "no prompts"),
+    ('"x"\n', ["--batch-size", "0"], "--batch-size must be in"),
+    ('"x"\n', ["--prompt", "y"], "not allowed with argument"),
+])
+def test_bad_prompts_file_is_one_clear_error(tmp_path, content, extra, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    code, _, err = cli("--prompts-file", str(path), "--method", "ar", "--no-chat", *extra)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_batch_size_needs_a_prompts_file():
+    code, _, err = cli("--prompt", "x", "--method", "ar", "--batch-size", "2")
+    assert code == 2 and "--batch-size goes with --prompts-file" in err, err
