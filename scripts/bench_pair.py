@@ -2,6 +2,7 @@
 tau, tokens/s, speedup over AR, the per-round time split; a table, a JSON file and PNG plots.
 
     python scripts/bench_pair.py [--budgets 4 16 64 256 512] [--denoise 1 2] [--compile] [--out runs/bench_pair]
+    python scripts/bench_pair.py --compile --only-batches [--batches 1 4 16] [--batch-budget 16]
 
 tau is reported two ways (issue 5): over whole greedy generations from held-out code, and one speculative step
 from many real held-out contexts (greedy generations of a tiny model fall into loops a drafter learns to copy,
@@ -16,7 +17,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from benchlib import held_out_code, round_header, round_row, round_split, run, write_json  # noqa: E402
+from benchlib import batched_run, held_out_code, round_header, round_row, round_split, run, write_json  # noqa: E402
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate  # noqa: E402
 from text import Text  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
@@ -61,6 +62,20 @@ def plots(rows, out_dir, chain_key, best_key):
     fig.savefig(os.path.join(out_dir, "committed_per_round.png"), dpi=100)
 
 
+def batch_section(target, drafter, text, a) -> dict:
+    """Greedy DDTree at --batch-budget over --batch-prompts held-out prompts, --batches requests at a time (batch 1:
+    one request after another, as generate() runs them), side by side: tokens/s of the whole set."""
+    prompts = held_out_code(text, a.batch_prompts, 64, 160, a.seed + 2)
+    print(f"batched: greedy ddtree B={a.batch_budget}, {a.batch_prompts} held-out prompts x {a.new_tokens} new "
+          f"tokens, {'compiled' if a.compile else 'eager'}; tokens/s of the whole set")
+    out = {}
+    for batch in a.batches:
+        out[batch] = batched_run(target, drafter, prompts, "ddtree", a.batch_budget, a.new_tokens, a.compile, batch)
+        print(f"  batch {batch:3d}: {out[batch]:8.1f} tokens/s  ({out[batch] / out[a.batches[0]]:.2f}x batch "
+              f"{a.batches[0]})", flush=True)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=DEFAULT_TARGET)
@@ -71,6 +86,11 @@ def main():
     p.add_argument("--contexts", type=int, default=60)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16],
+                   help="batch sizes for the batched section (generate_batch; greedy ddtree at --batch-budget)")
+    p.add_argument("--batch-budget", type=int, default=16)
+    p.add_argument("--batch-prompts", type=int, default=16)
+    p.add_argument("--only-batches", action="store_true", help="run the batched section alone")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench_pair")
@@ -83,6 +103,11 @@ def main():
     prompts = held_out_code(text, a.prompts, 64, 160, a.seed)
     contexts = held_out_code(text, a.contexts, 32, 256, a.seed + 1)
 
+    if a.batches:
+        batched = batch_section(target, drafter, text, a)
+        if a.only_batches:
+            write_json(os.path.join(a.out, "bench_pair_batches.json"), dict(args=vars(a), batches=batched))
+            return
     configs = [("ar", 1, 1)] + [("dflash", 1, d) for d in a.denoise]
     configs += [("ddtree", b, d) for d in a.denoise for b in a.budgets]
     rows = {}
@@ -113,7 +138,8 @@ def main():
     chain_key = "dflash-1-T1"
     best_key = max((k for k in rows if k.startswith("ddtree") and k.endswith("T1")), key=lambda k: rows[k]["tau"])
     plots(rows, a.out, chain_key, best_key)
-    write_json(os.path.join(a.out, "bench_pair.json"), dict(args=vars(a), rows=rows, round_split=splits))
+    write_json(os.path.join(a.out, "bench_pair.json"), dict(args=vars(a), rows=rows, round_split=splits,
+                                                            batches=batched if a.batches else None))
     print(f"\nbest tree {best_key}: tau {rows[best_key]['tau']:.2f} = {rows[best_key]['tau'] / rows[chain_key]['tau']:.2f}x "
           f"the chain's {rows[chain_key]['tau']:.2f}; wrote {a.out}/bench_pair.json, tau_speedup.png, "
           f"committed_per_round.png")

@@ -47,12 +47,11 @@ def pair(tmp_path_factory):
 def law(pair):
     target, _ = pair
     with st.attention("dense"):
-        probs, margin = st.exact_law(target, PROMPT, N_TOKENS, st.Sampling(**WARP))
-    return probs, margin
+        return st.exact_law(target, PROMPT, N_TOKENS, st.Sampling(**WARP))
 
 
 def test_the_law_is_worth_testing(law):
-    probs, margin = law
+    probs, margin = law.probs, law.margin
     assert abs(probs.sum() - 1) < 1e-12
     assert (probs > 0).sum() >= 12 and probs.max() < 0.4  # several sequences with real mass
     assert margin > 1e-5  # no warping threshold near a flip: last-bit logit differences cannot move the support
@@ -92,10 +91,9 @@ def test_dense_attention_matches_flex(pair, monkeypatch):
 def test_ar_samples_follow_the_exact_law(pair, law):
     """Checks the exact-law computation itself against plain sampling."""
     target, _ = pair
-    probs, _ = law
     with st.attention("dense"):
-        counts, _ = st.draw_samples(target, None, PROMPT, N_TOKENS, 800, seed0=0, method="ar", **WARP)
-    p, _, outside, tv = st.chi_square(counts, probs)
+        samples, _ = st.draw_samples(target, None, PROMPT, N_TOKENS, 800, seed0=0, method="ar", **WARP)
+    p, _, outside, tv = st.chi_square(law.counts(samples), law.probs)
     assert outside == 0 and p >= ALPHA, (p, tv)
 
 
@@ -112,17 +110,17 @@ CASES = [
 @pytest.mark.parametrize("kw, samples, controls", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_sampled_output_follows_the_target_law(pair, law, kw, samples, controls):
     target, drafter = pair
-    probs, _ = law
+    probs = law.probs
     draft_sampling = kw.get("draft_sampling", False)
     with st.attention("dense"):
-        counts, stats = st.draw_samples(target, drafter, PROMPT, N_TOKENS, samples, seed0=0, **kw, **WARP)
-        p, cells, outside, tv = st.chi_square(counts, probs)
+        drawn, stats = st.draw_samples(target, drafter, PROMPT, N_TOKENS, samples, seed0=0, **kw, **WARP)
+        p, cells, outside, tv = st.chi_square(law.counts(drawn), probs)
         assert stats["drafts_per_round"] > MIN_DRAFTS_PER_ROUND, stats
         assert outside == 0 and p >= ALPHA, f"{kw}: p = {p:.3e}, TV = {tv:.4f}, {outside} outside the support"
         for control, n in controls:
             with st.planted(control, kw["method"], draft_sampling):
                 bad, bad_stats = st.draw_samples(target, drafter, PROMPT, N_TOKENS, n, seed0=0, **kw, **WARP)
-            bp, _, _, btv = st.chi_square(bad, probs)
+            bp, _, _, btv = st.chi_square(law.counts(bad), probs)
             assert bad_stats["drafts_per_round"] > MIN_DRAFTS_PER_ROUND, (control, bad_stats)
             assert bp < ALPHA, f"planted bug {control} not detected: p = {bp:.3e}, TV = {btv:.4f}"
     # the planted bug is gone again
