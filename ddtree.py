@@ -129,14 +129,15 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
             engine = get_engine(target, drafter if method != "ar" else None, method, sampling, spec, length,
                                 compile, show_tree, batch_bucket(len(wave), max_batch))
             emit_to = on_tokens and (lambda j, new, first=first: on_tokens(first + j, new))
-            results += decode(engine, [prompts[i] for i in wave], [seeds[i] for i in wave], stop, max_new_tokens,
-                              emit_to)
+            results += run_requests(engine, [prompts[i] for i in wave], [seeds[i] for i in wave], stop,
+                                    max_new_tokens, emit_to)
     for result in results:
         result.stats.update(method=method, budget=spec.budget)
     return results
 
 
-def decode(engine: "Engine", prompts: list, seeds: list, stop: set, max_new_tokens: int, on_tokens) -> list[Result]:
+def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_new_tokens: int,
+                 on_tokens) -> list[Result]:
     """Run one batch of requests on `engine` to the end: prefill, then rounds until every request has ended."""
     compile_seconds = engine.warm_up()
     t0 = time.perf_counter()
@@ -239,10 +240,10 @@ class Engine:
         # Under CUDA graphs a call's outputs live in the graph's memory pool, which the next replay overwrites:
         # feed back a copy of the token (as gpt-fast does), never the output itself.
         rows, length, token, ok, tree = self.round(self.token.clone(), self.position, *self.randomness())
-        out = torch.cat([rows.flatten(), length, token, ok.long(), self.live]).tolist()
+        out = torch.cat([rows.flatten(), length, token, ok.long()]).tolist()
         width, b = rows.shape[1], self.batch
-        lengths, tokens, oks, live = (out[b * width + k * b: b * width + (k + 1) * b] for k in range(4))
-        if not all(o for o, alive in zip(oks, live) if alive):
+        lengths, tokens, oks = (out[b * width + k * b: b * width + (k + 1) * b] for k in range(3))
+        if not all(o for o, g in zip(oks, self.generators) if g is not None):  # the running requests' draws
             raise ValueError(NON_FINITE)
         self.token, self.position = token, self.position + length * self.live
         new = []
@@ -270,7 +271,8 @@ class Engine:
         path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u)
         # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
         self.commit(start, path, positions, features)
-        return rows.gather(1, path), length, next_token, ok, ((tokens, parents, depths, path) if self.show_tree else None)
+        tree = (tokens, parents, depths, path) if self.show_tree else None
+        return rows.gather(1, path), length, next_token, ok, tree
 
     def draft(self, bonus, start):
         return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.spec.denoise_steps)
@@ -339,26 +341,33 @@ class Engine:
         overwritten). Returns each request's first new token (from its last prompt row) and whether it was
         sound. The target's draw uses one noise row per request, drawn once."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        padded = torch.zeros(self.batch, round_up(max(map(len, prompts)), PREFILL_CHUNK), dtype=torch.long)
+        chunk = PREFILL_CHUNK
+        if self.prefill_mask.dense:  # eager, the mask materialized: no graph to keep fixed, so only the rows needed
+            chunk = min(PREFILL_CHUNK, round_up(max(map(len, prompts)), 8))
+        padded = torch.zeros(self.batch, round_up(max(map(len, prompts)), chunk), dtype=torch.long)
         for i, p in enumerate(prompts):
             padded[i, :len(p)] = torch.tensor(p)
         padded, last, noise = padded.to(self.device), lengths - 1, self.noise(1)
         token = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         ok = torch.ones(self.batch, dtype=torch.bool, device=self.device)
-        for start in range(0, padded.shape[1], PREFILL_CHUNK):
-            row = (last - start).clamp(0, PREFILL_CHUNK - 1)[:, None]
+        for start in range(0, padded.shape[1], chunk):
+            row = (last - start).clamp(0, chunk - 1)[:, None]
             starts = torch.full((self.batch,), start, device=self.device)  # [N]: see PrefixMask.set
-            t, o = self.prefill_step(padded[:, start:start + PREFILL_CHUNK], starts, row, noise)
-            here = (last >= start) & (last < start + PREFILL_CHUNK)  # the chunk that holds the request's last row
+            t, o = self.prefill_step(padded[:, start:start + chunk], starts, row, noise)
+            here = (last >= start) & (last < start + chunk)  # the chunk that holds the request's last row
             token, ok = torch.where(here, t[:, 0], token), torch.where(here, o, ok)
         return token, ok
 
     def _prefill_step(self, tokens, start, last_row, noise):
-        """PREFILL_CHUNK prompt rows of every request at positions start.. Returns the token after each request's
-        `last_row` [N, 1]."""
-        positions = start[:, None] + torch.arange(PREFILL_CHUNK, device=tokens.device)
-        logits, features = self.target(tokens, positions, positions, self.prefill_mask.set(start),
-                                       logits_rows=last_row, feature_layers=self.feature_layers)
+        """A chunk of prompt rows of every request at positions start.. (PREFILL_CHUNK rows; fewer in an eager
+        engine with a materialized mask, which takes the mask's first rows). Returns the token after each
+        request's `last_row` [N, 1]."""
+        positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        mask = self.prefill_mask.set(start)
+        if self.prefill_mask.dense:
+            mask = mask[:, :, :tokens.shape[1]]
+        logits, features = self.target(tokens, positions, positions, mask, logits_rows=last_row,
+                                       feature_layers=self.feature_layers)
         if self.drafter is not None:  # the prompt is the drafter's first context
             self.drafter.append_context(features, positions, positions)
         return self.pick(logits, noise)

@@ -8,10 +8,10 @@ Prints and writes, most important first: the measured device copy bandwidth and 
 (weight bytes / bandwidth) beside the measured AR step (eager, compiled, CUDA graphs); the round split at the
 paper's budget (draft, tree, mask, verify, walk, compact, context: benchlib.round_split), the whole compiled
 round, and tree + mask + walk compiled with and without CUDA graphs; generate() end to end as users run it
-(compiled, CUDA graphs on the GPU: AR and DDTree, each twice); the other budgets; tree build alone at the paper's
-size; then a Qwen3-30B-A3B-shaped MoE target (48 layers, 128 experts, top 8): the grouped-GEMM expert path
-checked against the all-experts one, its AR step beside the floor of the weights a token reads, and its verify
-forward per budget. Every section compiles 8B-shaped graphs afresh, so the first compiled AR step's time is taken
+(compiled, CUDA graphs on the GPU: AR and DDTree, each twice); the other budgets; generate_batch at B = 64 and 512
+with batches of 1, 4 and 16; tree build alone at the paper's size; then a Qwen3-30B-A3B-shaped MoE target (48
+layers, 128 experts, top 8): the grouped-GEMM expert path checked against the all-experts one, its AR step beside
+the floor of the weights a token reads, and its verify forward per budget. Every section compiles 8B-shaped graphs afresh, so the first compiled AR step's time is taken
 as the cost of one graph, and a section starts only if its graphs fit before --deadline (else it is listed as
 skipped). The JSON is rewritten after each section: a device run cut short still brings back what it measured.
 """
@@ -27,8 +27,8 @@ from torch._dynamo.utils import counters
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from benchlib import (round_header, round_row, round_split, sync, timed, tree_alone, verify_ms,  # noqa: E402
-                      write_json)
+from benchlib import (batched_run, round_header, round_row, round_split, sync, timed, tree_alone,  # noqa: E402
+                      verify_ms, write_json)
 from ddtree import Engine, Speculation, cache_length, generate  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from model import Qwen3, Qwen3Config, SparseMoE, grouped_mm_supported, rope_inv_freq  # noqa: E402
@@ -162,6 +162,21 @@ def end_to_end(target, drafter, budget, new_tokens=64, prompt_len=128):
     return out
 
 
+def batched_section(a, target, drafter, out, section, t0):
+    """generate_batch compiled, greedy DDTree: tokens/s of 16 requests (prompt 128, 64 new tokens) run --batches at
+    a time, per budget; each batch size is 2 new graphs (prefill and round)."""
+    prompts = [torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(16)]
+    out["batched"] = {}
+    for budget in a.batch_budgets:
+        for batch in a.batches:
+            if not section(f"batched B={budget} batch {batch}", graphs=2):
+                continue
+            tps = batched_run(target, drafter, prompts, "ddtree", budget, 64, True, batch, passes=1)
+            out["batched"][f"B{budget}-batch{batch}"] = tps
+            print(f"generate_batch ddtree B={budget:4d} batch {batch:3d}: {tps:9.1f} tok/s over 16 requests"
+                  f"  [{time.time() - t0:.0f} s]", flush=True)
+
+
 def run_round(a, budget, target, drafter, out, section, t0, graphs, cols):
     """One budget's round split (benchlib.round_split), as a table row."""
     if not section(f"round B={budget}", graphs):
@@ -179,6 +194,9 @@ def main():
     p.add_argument("--e2e-budget", type=int, default=64)
     p.add_argument("--moe-budgets", type=int, nargs="*", default=[16, 64, 256, 512],
                    help="verify budgets on the 30B-A3B-shaped MoE target (none: skip the MoE section)")
+    p.add_argument("--batch-budgets", type=int, nargs="*", default=[64, 512],
+                   help="generate_batch at these budgets, batches of --batches (none: skip the batched section)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--deadline", type=float, default=540,
                    help="seconds: a section starts only if its compiles, at the measured time per graph, end before")
@@ -245,6 +263,7 @@ def main():
                   f"{len(e2e['ar']['tokens'])} tokens (random weights: near ties)", flush=True)
         for budget in a.budgets[1:]:
             run_round(a, budget, target, drafter, out, section, t0, 3, cols)
+        batched_section(a, target, drafter, out, section, t0)
         if section("tree alone", graphs=0):
             t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
             out["tree_alone"] = t

@@ -11,6 +11,7 @@ test_dense_attention_matches_flex checks that it gives the engine the same token
 fixed, so every p-value here is deterministic on a given build.
 """
 
+import itertools
 import os
 import sys
 
@@ -138,3 +139,37 @@ def test_greedy_samples_equal_ar_greedy(pair, kw):
         for seed in range(4):
             res = generate(target, drafter, PROMPT, max_new_tokens=8, seed=seed, stop_ids=[], temperature=0.0, **kw)
             assert res.tokens == ar, (kw, seed)
+
+
+def test_support_enumeration_equals_the_product_over_every_sequence(pair):
+    """exact_law's depth-by-depth enumeration over the support (batched forwards, here several per depth) gives
+    the law of the product over all V^n sequences, each context run alone."""
+    target, _ = pair
+    s = st.Sampling(**WARP)
+    with st.attention("dense"):
+        law = st.exact_law(target, PROMPT, 3, s, batch=5)
+        full = {}
+        for seq in itertools.product(range(VOCAB), repeat=3):
+            pr = 1.0
+            for k in range(3):
+                w = sampler.warp_probs(st.last_logits(target, [PROMPT + list(seq[:k])], batch=1), s)[0].double()
+                pr *= float(w[seq[k]] / w.sum())
+            if pr > 0:
+                full[seq] = pr
+    assert law.sequences == sorted(full)
+    total = sum(full.values())
+    # float32 logits of a context differ in the last bits between a batched forward and a lone one: ~1e-7 relative
+    np.testing.assert_allclose(law.probs[:-1], [full[q] / total for q in law.sequences], rtol=1e-5, atol=0)
+    assert law.probs[-1] == 0  # the cell for samples outside the support
+
+
+def test_a_real_sized_vocabulary_through_its_support(tmp_path):
+    """Vocab 512 (512^3 sequences: no full enumeration): top-k 4 keeps the law at most 64 sequences; batched ddtree
+    samples follow it, and the unwarped control (the round's rows drawn without top-k) is rejected."""
+    target, drafter = st.load_pair(*st.write_random_pair(str(tmp_path), 512, seed=2, block_size=4))
+    warp = dict(temperature=1.0, top_k=4)
+    with st.attention("dense"):
+        out = st.run_check(target, drafter, PROMPT, 3, 1200, warp, "ddtree", budget=6, control="unwarped",
+                           control_samples=400, log=lambda *a: None)
+    assert 4 < len(out["law"].sequences) <= 64
+    assert out["real"]["ok"] and out["control"]["ok"], (out["real"]["p"], out["control"]["p"])
