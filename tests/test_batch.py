@@ -28,15 +28,19 @@ VOCAB = 16
 STOP = 1
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory, one_thread):
-    root = tmp_path_factory.mktemp("batch")
-    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, eos=(STOP, 0))
+def write_pair(root, target_layers=3, draft_layers=2):
+    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=target_layers, heads=4, kv_heads=2, head_dim=16,
+                      eos=(STOP, 0))
     save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[STOP])
-    dc = dflash_config(tc, layers=2, block_size=5, target_layer_ids=[0, 2])
+    dc = dflash_config(tc, layers=draft_layers, block_size=5, target_layer_ids=[0, target_layers - 1])
     save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=5, std=0.35))
     return (Qwen3.from_pretrained(str(root / "target"), device="cpu"),
             DFlashDrafter.from_pretrained(str(root / "draft"), device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, one_thread):
+    return write_pair(tmp_path_factory.mktemp("batch"))
 
 
 def ragged_prompts(n, seed=0):
@@ -86,9 +90,9 @@ def test_seeded_batch_request_is_the_lone_sample(pair, method, kw):
     assert [r.tokens for r in other] != [r.tokens for r in batch]
 
 
-def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(pair):
+def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(tmp_path, one_thread):
     from torch._dynamo.utils import counters
-    target, drafter = pair
+    target, drafter = write_pair(tmp_path, target_layers=2, draft_layers=1)  # small graphs: compile time
     run = lambda prompts, compile: generate_batch(target, drafter, prompts, method="ddtree", budget=6,
                                                   max_new_tokens=16, stop_ids=[STOP], compile=compile)
     first, second = ragged_prompts(3, seed=2), ragged_prompts(4, seed=3)[::-1]  # batch 3 and 4: the same bucket
