@@ -231,6 +231,20 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None, dtype=t
     return anc.to(dtype).contiguous()  # contiguous: with no step, anc is still the broadcast identity
 
 
+def accepted_within(path: torch.Tensor, length: torch.Tensor, budgets) -> torch.Tensor:
+    """Drafts each smaller budget would have accepted in the same round, read off one verified tree of budget B.
+
+    The trees are nested: the tree of B' <= B nodes is the first B' nodes of the tree of B (both are the first
+    nodes of the one global order, see Order above), so it holds row r iff 1 <= r <= B'. A walk down the smaller
+    tree, fed the same target choices, follows the same path until the path leaves it; rows grow along a path
+    (parents precede children), so that walk accepts exactly the path's rows <= B'. path [..., L + 1] and length
+    [...] as walk_tree returns them (path[0] = 0 is the root; `length` counts it); returns [..., len(budgets)]."""
+    steps = torch.arange(path.shape[-1], device=path.device)
+    on_path = (steps >= 1) & (steps < length[..., None])  # the accepted nodes, root excluded
+    limits = torch.as_tensor(budgets, device=path.device)
+    return ((path[..., None, :] <= limits[:, None]) & on_path[..., None, :]).sum(-1)
+
+
 def format_tree(tokens, parents, accepted_rows=None, decode=lambda t: str(t), probs=None, root="<bonus>"):
     """A `tree`-style text picture of one round's tree (the CLI's --show-tree).
 

@@ -18,6 +18,7 @@ import torch
 import ddtree
 from conftest import HostReads
 from ddtree import batch_bucket, generate, generate_batch
+from draft_tree import accepted_within
 from drafter import DFlashDrafter
 from model import Qwen3
 
@@ -106,6 +107,22 @@ def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(tmp_
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
     # One read per round of the batch (the batch runs until its longest request ends) and one for the prefill.
     assert reads.count == max(r.stats["rounds"] for r in compiled) + 1
+
+
+def test_one_verify_tells_what_every_smaller_budget_accepts(pair):
+    """The nested-acceptance estimate (draft_tree.accepted_within) from one round at B = 32 equals separate
+    one-step runs at each smaller budget from the same contexts (greedy: the same target choices)."""
+    target, drafter = pair
+    smaller = [1, 2, 4, 8, 16]
+    estimated, separate = [], []
+    for prompt in ragged_prompts(8, seed=6):
+        big = generate(target, drafter, prompt, budget=32, max_new_tokens=2, stop_ids=[], show_tree=True)
+        _, _, _, path, length = big.trees[0]
+        estimated.append(accepted_within(path, torch.tensor(length), smaller).tolist())
+        separate.append([generate(target, drafter, prompt, budget=b, max_new_tokens=2,
+                                  stop_ids=[]).stats["verified"][0] - 1 for b in smaller])
+    assert estimated == separate
+    assert any(row[-1] > row[0] for row in estimated), "no context where a bigger tree accepted more"
 
 
 def test_batch_bucket_is_a_power_of_two_within_the_limit():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, format_tree, pairs_within,
+from draft_tree import (accepted_within, ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, format_tree, pairs_within,
                         topk_per_depth)
 
 INF = math.inf
@@ -357,3 +357,26 @@ def test_format_tree():
         "└── t7  0.125  ·",
     ])
     assert format_tree(tokens, parents).splitlines()[1:] == ["├── 5", "│   └── 6", "└── 7"]
+
+
+@SETTINGS
+@given(batches_with_budget(max_len=4, max_vocab=3), st.integers(0, 10**6))
+def test_accepted_within_equals_walking_each_smaller_tree(case, seed):
+    """One walk down the tree of budget B tells what the tree of every B' <= B accepts: the trees are nested (the
+    smaller one is the bigger one's first B' nodes), and the target's choice at a row is the same node's choice in
+    both. Checked against a separate walk down each separately built smaller tree."""
+    from sampler import walk_tree
+    logq, budget = case
+    N, L, V = logq.shape
+    g = torch.Generator().manual_seed(seed)
+    # The target's choice at each row of the big tree; a choice often equal to a child's token, so paths are long.
+    choices = torch.randint(0, V, (N, budget + 1), generator=g)
+    tokens, parents, _ = build_tree(logq, budget)
+    path, length, _ = walk_tree(parents, tokens, choices, L)
+    smaller = list(range(1, budget + 1))
+    within = accepted_within(path, length, smaller)
+    for j, b in enumerate(smaller):
+        t, p, _ = build_tree(logq, b)
+        assert torch.equal(t, tokens[:, :b]) and torch.equal(p, parents[:, :b])  # nested
+        _, small_length, _ = walk_tree(p, t, choices[:, :b + 1], L)
+        assert torch.equal(within[:, j], small_length - 1), (b, within[:, j], small_length)
