@@ -228,13 +228,9 @@ class Attention(nn.Module):
 
 
 def write_slots(cache, slots, values):
-    """cache [N, H, S, D][n, :, slots[n, q]] = values [N, H, Q, D][n, :, q]. One request: index_copy along the slot
-    dim (what the single-request engine always did); several: one indexed write with a batch index."""
-    if cache.shape[0] == 1:
-        cache.index_copy_(2, slots[0], values)
-    else:
-        batch = torch.arange(cache.shape[0], device=cache.device)[:, None]
-        cache[batch, :, slots] = values.transpose(1, 2)
+    """cache [N, H, S, D][n, :, slots[n, q]] = values [N, H, Q, D][n, :, q]: one indexed write with a batch index."""
+    batch = torch.arange(cache.shape[0], device=cache.device)[:, None]
+    cache[batch, :, slots] = values.transpose(1, 2)
 
 
 class MLP(nn.Module):

@@ -36,7 +36,7 @@ class PrefixMask:
 
     def __init__(self, q_len: int, kv_len: int, device, dense: bool = False, batch: int = 1):
         assert kv_len % BLOCK == 0, "cache length must be a multiple of the FlexAttention block"
-        self.q_len, self.kv_len, self.dense, self.batch = q_len, kv_len, dense, batch
+        self.q_len, self.kv_len, self.dense = q_len, kv_len, dense
         self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
         # Bytes, not bool: the round rewrites this matrix, and inductor's CPU code writes bool tensors many times
         # slower than bytes (docs/compile.md, "allow matrix as bytes"). Nonzero = allowed. The compiled round
@@ -114,11 +114,6 @@ def compact_kv(caches, prefix, rows: torch.Tensor):
     rows = rows.view(prefix.shape[0], -1)
     src = prefix + rows
     dst = prefix + torch.arange(rows.shape[1], device=rows.device)
-    if rows.shape[0] == 1:  # one request: along the slot dim, as the single-request engine always did
-        src, dst = src[0], dst[0]
-        for cache in caches:
-            cache.index_copy_(2, dst, cache.index_select(2, src))
-        return
     batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
     for cache in caches:
         cache[batch, :, dst] = cache[batch, :, src]
