@@ -1,6 +1,8 @@
 """Shared test setup: import the flat top-level modules (`import model`, `import tree_attn`, ...) from the repo
 root, and silence eager FlexAttention's CPU warning (expected: the tests run flex_attention uncompiled)."""
 
+import contextlib
+import io
 import os
 import sys
 
@@ -75,3 +77,18 @@ def compiled_equals_eager(run, cases, mode=True):
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     return runs
+
+
+def cli(*args):
+    """ddtree.main on a command line, in-process: (exit status, stdout, stderr)."""
+    import ddtree
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = ddtree.main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_error_line(code, err, message):
+    """Bad input ends as one `error:` line holding `message`, exit status 2."""
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err

@@ -6,8 +6,6 @@ one batch holds. Seeded sampling: request i of a batch is the same sample as gen
 batches equal eager ones, reuse their graphs and read the host once per round. The command line's
 --prompts-file."""
 
-import io
-import contextlib
 import json
 import os
 import sys
@@ -16,7 +14,7 @@ import pytest
 import torch
 
 import ddtree
-from conftest import HostReads
+from conftest import HostReads, assert_one_error_line, cli
 from ddtree import batch_bucket, generate, generate_batch
 from draft_tree import accepted_within
 from drafter import DFlashDrafter
@@ -159,13 +157,6 @@ def test_on_tokens_streams_each_request_by_index(pair):
 # ---- the command line: --prompts-file ------------------------------------------------------------------------------
 
 
-def cli(*args):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = ddtree.main(list(args))
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_prompts_file_gives_each_request_its_lone_result(tmp_path, one_thread):
     lines = ['"def f(x):"', json.dumps({"prompt": "import os\n", "seed": 7}), "", json.dumps("class A:")]
     path = tmp_path / "prompts.jsonl"
@@ -196,10 +187,9 @@ def test_prompts_file_gives_each_request_its_lone_result(tmp_path, one_thread):
 def test_bad_prompts_file_is_one_clear_error(tmp_path, content, extra, message):
     path = tmp_path / "p.jsonl"
     path.write_text(content)
-    code, _, err = cli("--prompts-file", str(path), "--method", "ar", "--no-chat", *extra)
-    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert_one_error_line(*cli("--prompts-file", str(path), "--method", "ar", "--no-chat", *extra)[::2], message)
 
 
 def test_batch_size_needs_a_prompts_file():
-    code, _, err = cli("--prompt", "x", "--method", "ar", "--batch-size", "2")
-    assert code == 2 and "--batch-size goes with --prompts-file" in err, err
+    assert_one_error_line(*cli("--prompt", "x", "--method", "ar", "--batch-size", "2")[::2],
+                          "--batch-size goes with --prompts-file")

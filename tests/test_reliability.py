@@ -3,8 +3,6 @@
 emitted; Ctrl-C, closed pipes and a closed stdout end cleanly. The property tests drive generate() and the CLI
 with generated argument values and corrupt checkpoint files at generated offsets."""
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -26,6 +24,7 @@ from model import Qwen3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from conftest import assert_one_error_line, cli  # noqa: E402
 from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
 
 VOCAB = 16
@@ -398,18 +397,6 @@ def test_meta_and_unknown_devices_are_refused(files):
 
 
 # ---- the command line ------------------------------------------------------------------------------------------
-
-
-def cli(*args):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = ddtree.main(list(args))
-    return code, out.getvalue(), err.getvalue()
-
-
-def assert_one_error_line(code, err, message):
-    assert code == 2, err
-    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
 @pytest.mark.parametrize("args, message", [
