@@ -245,6 +245,27 @@ def accepted_within(path: torch.Tensor, length: torch.Tensor, budgets) -> torch.
     return ((path[..., None, :] <= limits[:, None]) & on_path[..., None, :]).sum(-1)
 
 
+def chain_accepted(chain: torch.Tensor, tokens: torch.Tensor, path: torch.Tensor, length: torch.Tensor,
+                   next_token: torch.Tensor) -> torch.Tensor:
+    """Drafts the DFlash chain would have accepted in the same round, read off one verified tree.
+
+    The chain is the drafter's argmax at every position, which is the tree's most probable spine: its first d
+    drafts are the best prefix of depth d. While the accepted path follows the chain, the target's choices are
+    the chain's; where the path leaves the chain (a draft d + 1 other than the chain's), the target chose that
+    other token after the shared d drafts, so the chain stops at d: exact. Where the path ends on the chain and
+    the target's next token is the chain's next draft, that node lay outside the tree (else the walk would have
+    taken it): the chain accepts at least one more, and this returns that lower bound. chain [..., L],
+    tokens [..., B], path [..., L + 1] and length [...] as walk_tree returns them, next_token [...]; returns
+    [...] long."""
+    L = chain.shape[-1]
+    drafts = length - 1
+    steps = torch.arange(L, device=chain.device)
+    on_path = tokens.gather(-1, (path[..., 1:] - 1).clamp(min=0))  # the accepted drafts' tokens, depth by depth
+    shared = ((on_path == chain) & (steps < drafts[..., None])).long().cumprod(-1).sum(-1)
+    following = chain.gather(-1, shared.clamp(max=L - 1)[..., None])[..., 0]
+    return shared + ((shared == drafts) & (shared < L) & (following == next_token)).long()
+
+
 def format_tree(tokens, parents, accepted_rows=None, decode=lambda t: str(t), probs=None, root="<bonus>"):
     """A `tree`-style text picture of one round's tree (the CLI's --show-tree).
 
