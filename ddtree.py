@@ -25,11 +25,12 @@ import secrets
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from draft_tree import ancestor_matrix, build_tree, build_tree_heap, format_tree
+from budget import AUTO_BUDGETS, AutoBudget
+from draft_tree import accepted_within, ancestor_matrix, build_tree, build_tree_heap, chain_accepted, format_tree
 from drafter import DFlashDrafter
 from model import Qwen3
 from sampler import Sampling, draw_noise, sample, tempered, verify_chain_sampled, walk_tree, warp_probs
@@ -57,7 +58,7 @@ INT64_MAX = 2**63 - 1
 @dataclass(frozen=True)
 class Speculation:
     """How a speculative round drafts (dflash, ddtree); hashable, so it keys the engine cache with Sampling."""
-    budget: int | None = None  # ddtree: tree nodes per round (None for the chain, which has block_size - 1)
+    budget: int | str | None = None  # ddtree: tree nodes per round, or "auto" (None for the chain: block_size - 1)
     draft_temperature: float = 1.0  # ddtree: the drafter's temperature when building trees (1, as in the paper)
     draft_sampling: bool = False  # dflash with sampling: sample the chain, verify with min(1, p/q)
     denoise_steps: int = 1  # drafter passes per round
@@ -82,7 +83,9 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
     """Generate up to `max_new_tokens` after `prompt_ids` (a list of ints or a 1-D integer tensor): the
     one-request case of generate_batch.
 
-    budget: ddtree's tree size (default 512). on_tokens(list[int]) is called with the tokens each round emits
+    budget: ddtree's tree size (default 512), or "auto": each round runs the candidate (plain decoding, the chain,
+    or a tree of budget.AUTO_BUDGETS nodes) with the best tokens/s measured on this device (budget.py; its
+    estimates in stats["auto"]). on_tokens(list[int]) is called with the tokens each round emits
     (for streaming). draft_temperature: the drafter's temperature for building trees (ddtree; 1 as in the
     paper); draft_sampling: dflash samples its chain from the warped draft law and verifies with min(1, p/q)
     (needs temperature > 0); denoise_steps: drafter passes per round; show_tree: keep each round's tree in
@@ -125,12 +128,18 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     with torch.inference_mode():
         for first in range(0, len(prompts), max_batch):
             wave = range(first, min(first + max_batch, len(prompts)))
-            length = cache_length(max(len(prompts[i]) for i in wave), max_new_tokens, method, spec, drafter)
+            longest = max(len(prompts[i]) for i in wave)
+            budgets = auto_budgets(longest, max_new_tokens, target) if spec.budget == "auto" else ()
+            length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets)
             engine = get_engine(target, drafter if method != "ar" else None, method, sampling, spec, length,
-                                compile, show_tree, batch_bucket(len(wave), max_batch))
+                                compile, show_tree, batch_bucket(len(wave), max_batch), budgets)
             emit_to = on_tokens and (lambda j, new, first=first: on_tokens(first + j, new))
             results += run_requests(engine, [prompts[i] for i in wave], [seeds[i] for i in wave], stop,
                                     max_new_tokens, emit_to)
+            if spec.budget == "auto":
+                report = engine.report()
+                for result in results[first:]:
+                    result.stats["auto"] = report
     for result in results:
         result.stats.update(method=method, budget=spec.budget)
     return results
@@ -239,10 +248,14 @@ class Engine:
         read."""
         # Under CUDA graphs a call's outputs live in the graph's memory pool, which the next replay overwrites:
         # feed back a copy of the token (as gpt-fast does), never the output itself.
-        rows, length, token, ok, tree = self.round(self.token.clone(), self.position, *self.randomness())
-        out = torch.cat([rows.flatten(), length, token, ok.long()]).tolist()
+        rows, length, token, ok, tree, tally = self.round(self.token.clone(), self.position, *self.randomness())
+        out = torch.cat([rows.flatten(), length, token, ok.long()] + ([] if tally is None else [tally.flatten()]))
+        out = out.tolist()
         width, b = rows.shape[1], self.batch
         lengths, tokens, oks = (out[b * width + k * b: b * width + (k + 1) * b] for k in range(3))
+        tallied = out[b * width + 3 * b:]
+        self.last_lengths = lengths
+        self.last_tally = [tallied[i * len(tallied) // b: (i + 1) * len(tallied) // b] for i in range(b)]
         if not all(o for o, g in zip(oks, self.generators) if g is not None):  # the running requests' draws
             raise ValueError(NON_FINITE)
         self.token, self.position = token, self.position + length * self.live
@@ -259,7 +272,8 @@ class Engine:
         """bonus: [N] the last token the target chose for each request, not yet in its cache; start: [N], its
         position (= the request's committed length). Returns the committed rows' tokens [N, L + 1] (valid up to
         `length`), length [N], the next bonus [N], whether each request's logits and draws were sound
-        (Engine.pick), and the trees with show_tree."""
+        (Engine.pick), the trees with show_tree, and for budget auto what smaller budgets and the chain would have
+        accepted (Engine.tally)."""
         # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [N, L, V].
         draft_logits = self.draft(bonus, start)
         # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
@@ -272,7 +286,8 @@ class Engine:
         # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
         self.commit(start, path, positions, features)
         tree = (tokens, parents, depths, path) if self.show_tree else None
-        return rows.gather(1, path), length, next_token, ok, tree
+        tally = self.tally(draft_logits, tokens, path, length, next_token)
+        return rows.gather(1, path), length, next_token, ok, tree, tally
 
     def draft(self, bonus, start):
         return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.spec.denoise_steps)
@@ -320,6 +335,16 @@ class Engine:
         picked = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
         self.extend_context(start, picked, positions.gather(1, path))
 
+    def tally(self, draft_logits, tokens, path, length, next_token):
+        """Budget auto (budget.py): [N, len(tally_budgets) + 1], the drafts each of tally_budgets and the chain would
+        have accepted this round, read off this tree (the trees are nested; the chain is their spine); None for
+        engines that do not tally."""
+        if not self.tally_budgets:
+            return None
+        within = accepted_within(path, length, self.tally_budgets)
+        chain = chain_accepted(draft_logits.argmax(-1), tokens, path, length, next_token)
+        return torch.cat([within, chain[:, None]], dim=1)
+
     def extend_context(self, start, features, positions):
         """The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
         computes it inside the drafter pass), in the slots after `start`."""
@@ -330,10 +355,14 @@ class Engine:
 
     def _decode(self, token, start, noise):
         """ar's round: the target over each request's last token; returns what _round does (the one committed row,
-        length 1, the next token, soundness, no tree)."""
-        logits, _ = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start))
+        length 1, the next token, soundness, no tree, no tally). With a drafter (budget auto's plain decoding) the
+        token's features also extend the drafter's context, so that a speculative round can follow."""
+        logits, features = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start),
+                                       feature_layers=self.feature_layers)
+        if self.drafter is not None:
+            self.drafter.append_context(features, start[:, None], start[:, None])
         next_token, ok = self.pick(logits, noise)
-        return token[:, None], torch.ones_like(start), next_token[:, 0], ok, None
+        return token[:, None], torch.ones_like(start), next_token[:, 0], ok, None, None
 
     def prefill(self, prompts: list[list[int]]):
         """Fill the caches with the prompts in fixed chunks, all requests side by side (a shorter prompt's rows
@@ -418,9 +447,13 @@ class Engine:
     # -- construction -------------------------------------------------------------------------------------------
 
     def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, sampling: Sampling,
-                 spec: Speculation, max_seq_len: int, compile: bool | str, show_tree: bool = False, batch: int = 1):
+                 spec: Speculation, max_seq_len: int, compile: bool | str, show_tree: bool = False, batch: int = 1,
+                 tally_budgets: tuple = ()):
         self.target, self.drafter, self.method, self.sampling, self.spec = target, drafter, method, sampling, spec
         self.device, self.max_seq_len, self.show_tree, self.batch = target.device, max_seq_len, show_tree, batch
+        self.compiled = compile
+        self.tally_budgets = tally_budgets  # budget auto: smaller budgets whose acceptance each round reports
+        self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
         # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
         # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
@@ -438,6 +471,7 @@ class Engine:
             drafter.setup_cache(max_seq_len, batch)
             self.feature_layers = tuple(drafter.config.target_layer_ids)
             self.depth = drafter.block_size - 1  # L: draft positions per round
+        if method != "ar":
             self.nodes = spec.budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
             self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch)
             self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
@@ -458,6 +492,12 @@ class Engine:
                 mode = None if self.device.type == "cpu" else ("reduce-overhead" if compile is True else compile)
                 self.prefill_step, self.round = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
                                                  for f in steps)
+
+    def adopt(self, other: "Engine"):
+        """Take over `other`'s requests between two steps (budget auto switches engines): the models' caches are
+        shared (same slots and batch), so the requests' state is all there is to hand over."""
+        self.token, self.position, self.generators, self.live = other.token, other.position, other.generators, \
+            other.live
 
     def warm_up(self) -> float:
         """Compile a new compiled engine's steps by running each once on a one-token dummy request; returns the
@@ -489,13 +529,37 @@ def compile_frozen(step):
 _ENGINES: dict = {}
 
 
-def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch=1) -> Engine:
-    """Engines are cached per (models, settings, batch size) so repeated calls reuse caches and compiled graphs."""
-    key = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, show_tree, batch)
+def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch=1,
+               auto=()) -> Engine | AutoBudget:
+    """Engines are cached per (models, settings, batch size) so repeated calls reuse caches and compiled graphs.
+    auto: the tree sizes of a budget-auto engine."""
+    key = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, show_tree, batch, auto)
     if key not in _ENGINES:
         _ENGINES.clear()  # one live engine at a time: caches can be large
-        _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch)
+        if spec.budget == "auto":
+            _ENGINES[key] = auto_engine(target, drafter, sampling, spec, max_seq_len, compile, show_tree, batch, auto)
+        else:
+            _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch)
     return _ENGINES[key]
+
+
+def auto_engine(target, drafter, sampling, spec, max_seq_len, compile, show_tree, batch, budgets) -> AutoBudget:
+    """Budget auto's candidates, one engine each over the same caches: plain decoding (keeping the drafter's
+    context), the chain, and a tree per budget that also tallies every smaller budget and the chain."""
+    def engine(method, spec, tally=()):
+        return Engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch, tally)
+    chain_spec = Speculation(denoise_steps=spec.denoise_steps)
+    engines = {"ar": engine("ar", Speculation()), "chain": engine("dflash", chain_spec)}
+    for b in budgets:
+        engines[b] = engine("ddtree", replace(spec, budget=b), tuple(x for x in budgets if x <= b))
+    return AutoBudget(engines, drafter.block_size)
+
+
+def auto_budgets(prompt_len: int, max_new_tokens: int, target) -> tuple:
+    """The budget-auto tree sizes whose verify fits the cache for these requests (check_request made sure the
+    smallest does)."""
+    room = round_up(target.config.max_position_embeddings) - prompt_len - max_new_tokens - 1
+    return tuple(b for b in AUTO_BUDGETS if b <= room)
 
 
 def batch_bucket(n: int, max_batch: int) -> int:
@@ -504,17 +568,21 @@ def batch_bucket(n: int, max_batch: int) -> int:
     return min(1 << (n - 1).bit_length(), max_batch)
 
 
-def cache_length(prompt_len: int, max_new_tokens: int, method: str, spec: Speculation, drafter) -> int:
+def cache_length(prompt_len: int, max_new_tokens: int, method: str, spec: Speculation, drafter,
+                 auto=()) -> int:
     """Cache slots for a request: the prompt (in whole prefill chunks), the new tokens, and a round's scratch rows
     past them (the verified rows and the drafter's block); bucketed to 1024 so similar requests share graphs."""
-    scratch = 0 if method == "ar" else verify_rows(method, spec, drafter) + drafter.block_size
+    scratch = 0 if method == "ar" else verify_rows(method, spec, drafter, auto) + drafter.block_size
     need = round_up(prompt_len, PREFILL_CHUNK) + max_new_tokens + scratch + 1
     return round_up(max(need, 1024), 1024)
 
 
-def verify_rows(method: str, spec: Speculation, drafter) -> int:
-    """Rows of a verify: the bonus and the tree's nodes (ddtree) or the chain's block_size - 1 drafts."""
-    return 1 + (spec.budget if method == "ddtree" else drafter.block_size - 1)
+def verify_rows(method: str, spec: Speculation, drafter, auto=()) -> int:
+    """Rows of a verify: the bonus and the tree's nodes (ddtree; budget auto: its largest tree among `auto`) or the
+    chain's block_size - 1 drafts."""
+    if method != "ddtree":
+        return drafter.block_size
+    return 1 + max(max(auto, default=0), drafter.block_size - 1) if spec.budget == "auto" else 1 + spec.budget
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -536,7 +604,9 @@ def check_speculation(method, sampling, budget, draft_temperature, draft_samplin
     for name, value in (("draft_sampling", draft_sampling), ("show_tree", show_tree)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
-    if budget is not None:
+    if budget is not None and not (isinstance(budget, str) and budget == "auto"):
+        if isinstance(budget, str):
+            raise ValueError(f"budget must be a positive integer or 'auto', got {budget!r}")
         check_int("budget", budget, 1)
     check_int("denoise_steps", denoise_steps, 1)
     if isinstance(draft_temperature, bool) or not isinstance(draft_temperature, (int, float)):
@@ -595,7 +665,7 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
                              f"draft positions (each pass decides at least one)")
         # A round writes its verified rows after the committed tokens; the cache holds at most
         # max_position_embeddings slots (rounded up to the attention block).
-        rows = verify_rows(method, spec, drafter)
+        rows = verify_rows(method, spec, drafter, AUTO_BUDGETS[:1])  # auto: its smallest tree must fit
         if longest + max_new_tokens + rows > round_up(limit):
             raise ValueError(f"budget {spec.budget} is beyond what the cache can hold: prompt ({longest}) + "
                              f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
@@ -680,7 +750,10 @@ def parse_args(argv):
     p.add_argument("--draft", default=None, help="DFlash drafter: local directory or hub repo id (dflash, ddtree; "
                                                  "default: the bundled tiny drafter)")
     p.add_argument("--method", default="ddtree", choices=METHODS)
-    p.add_argument("--budget", default=None, help=f"tree nodes per round (ddtree; default {DEFAULT_BUDGET})")
+    p.add_argument("--budget", default=None, help=f"tree nodes per round (ddtree; default {DEFAULT_BUDGET}), or "
+                                                  "'auto': the fastest of plain decoding, the chain and trees of "
+                                                  f"{', '.join(map(str, AUTO_BUDGETS))} nodes, measured on this "
+                                                  "device")
     p.add_argument("--max-new-tokens", default="256")
     p.add_argument("--temperature", default="0", help="0 (default) = greedy")
     p.add_argument("--top-k", default=None, help="sampling: keep the k most probable tokens")
@@ -722,13 +795,14 @@ def as_float(name: str, text: str | None) -> float | None:
 
 def settings_from_args(args) -> dict:
     """generate()'s keyword arguments from the command line: the options given, as numbers, checked to apply."""
-    values = dict(budget=as_int("--budget", args.budget), max_new_tokens=as_int("--max-new-tokens",
-                    args.max_new_tokens), temperature=as_float("--temperature", args.temperature),
-                    top_k=as_int("--top-k", args.top_k), top_p=as_float("--top-p", args.top_p),
-                    min_p=as_float("--min-p", args.min_p), seed=as_int("--seed", args.seed),
-                    draft_temperature=as_float("--draft-temperature", args.draft_temperature),
-                    denoise_steps=as_int("--denoise-steps", args.denoise_steps),
-                    draft_sampling=args.draft_sampling, show_tree=args.show_tree)
+    budget = args.budget if args.budget == "auto" else as_int("--budget", args.budget)
+    values = dict(budget=budget, max_new_tokens=as_int("--max-new-tokens", args.max_new_tokens),
+                  temperature=as_float("--temperature", args.temperature),
+                  top_k=as_int("--top-k", args.top_k), top_p=as_float("--top-p", args.top_p),
+                  min_p=as_float("--min-p", args.min_p), seed=as_int("--seed", args.seed),
+                  draft_temperature=as_float("--draft-temperature", args.draft_temperature),
+                  denoise_steps=as_int("--denoise-steps", args.denoise_steps),
+                  draft_sampling=args.draft_sampling, show_tree=args.show_tree)
     given = {k: v for k, v in values.items() if v is not None}
     flags = set(given) | ({"draft"} if args.draft is not None else set())
     Sampling(given["temperature"], given.get("top_k", 0), given.get("top_p", 1.0), given.get("min_p", 0.0))
@@ -788,7 +862,20 @@ def run_cli(args) -> int:
         compiled = f" (+{s['compile_seconds']:.1f} s compiling)" if s["compile_seconds"] else ""
         print(f"[{s['method']}] {s['new_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
               f"{s['tokens_per_s']:.1f} tokens/s{compiled}", file=sys.stderr)
+        if "auto" in s:
+            print(auto_summary(s["auto"]), file=sys.stderr)
     return 0
+
+
+def auto_summary(a: dict) -> str:
+    """Budget auto's line under the CLI summary: what ran, the estimates, probing and calibration."""
+    ran = ", ".join(f"{c} x{n}" for c, n in a["rounds_per_candidate"].items())
+    rates = ", ".join(f"{c} {v['tokens_per_s']:.0f}" for c, v in a["candidates"].items()
+                      if v["tokens_per_s"] is not None)
+    calibration = f"calibrated in {a['calibrate_seconds']:.1f} s" if a["calibrated_now"] else "calibration"
+    return (f"auto: best {a['choice']}; rounds run: {ran}; estimated tokens/s per request: {rates}; "
+            f"{a['probe_rounds']} probe rounds ({a['probe_overhead_seconds'] * 1e3:+.0f} ms against the best); "
+            f"{calibration} in {a['cost_file']}")
 
 
 def run_batch(args, target, drafter, text, prompts, seeds, settings) -> int:

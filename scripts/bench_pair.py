@@ -3,6 +3,7 @@ tau, tokens/s, speedup over AR, the per-round time split; a table, a JSON file a
 
     python scripts/bench_pair.py [--budgets 4 16 64 256 512] [--denoise 1 2] [--compile] [--out runs/bench_pair]
     python scripts/bench_pair.py --compile --only-batches [--batches 1 4 16] [--batch-budget 16]
+    python scripts/bench_pair.py [--compile] --only-auto [--budgets 4 16 64 256 512] [--auto-passes 2]
 
 tau is reported two ways (issue 5): over whole greedy generations from held-out code, and one speculative step
 from many real held-out contexts (greedy generations of a tiny model fall into loops a drafter learns to copy,
@@ -76,6 +77,102 @@ def batch_section(target, drafter, text, a) -> dict:
     return out
 
 
+def auto_section(target, drafter, text, a) -> dict:
+    """budget auto beside every fixed choice it picks among (AR, the chain, each budget) on held-out prompts, in one
+    run, interleaved prompt by prompt over --auto-passes passes (after one warm-up call each: compiling, and auto's
+    calibration): tokens/s over all prompts (auto's probing included), tau, seconds per round; auto's own estimates
+    beside the measured ones; a plot of tau(B), cost(B) and tokens/s(B) with auto's choice marked."""
+    prompts = held_out_code(text, a.prompts, 64, 160, a.seed)
+    configs = {"ar": dict(method="ar"), "chain": dict(method="dflash")}
+    configs.update({str(b): dict(method="ddtree", budget=b) for b in a.budgets})
+    configs["auto"] = dict(method="ddtree", budget="auto")
+    common = dict(max_new_tokens=a.new_tokens, stop_ids=[], compile=a.compile)
+    print(f"budget auto: {a.prompts} held-out prompts x {a.new_tokens} new tokens (greedy), "
+          f"{'compiled' if a.compile else 'eager'}, {a.auto_passes} interleaved passes")
+    warm = {}
+    for name, kw in configs.items():
+        res = generate(target, None if kw["method"] == "ar" else drafter, prompts[0], **common, **kw)
+        warm[name] = res.stats["compile_seconds"]
+    totals = {name: dict(tokens=0, seconds=0.0, rounds=0) for name in configs}
+    reports = []
+    for _ in range(a.auto_passes):
+        for prompt in prompts:
+            for name, kw in configs.items():
+                res = generate(target, None if kw["method"] == "ar" else drafter, prompt, **common, **kw)
+                t = totals[name]
+                t["tokens"] += res.stats["new_tokens"]
+                t["seconds"] += res.stats["seconds"]
+                t["rounds"] += res.stats["rounds"]
+                if name == "auto":
+                    reports.append(res.stats["auto"])
+    rows = {}
+    for name, t in totals.items():
+        rows[name] = dict(tokens_per_s=t["tokens"] / t["seconds"], tau=(t["tokens"] - 1) / t["rounds"],
+                          round_ms=1e3 * t["seconds"] / t["rounds"], warm_up_s=warm[name])
+    fixed = {k: v for k, v in rows.items() if k != "auto"}
+    best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+    ran = {}
+    for r in reports:
+        for c, n in r["rounds_per_candidate"].items():
+            ran[c] = ran.get(c, 0) + n
+    estimates = {c: dict(tokens_per_round=mean([r["candidates"][c]["tokens_per_round"] for r in reports]),
+                         round_ms=mean([r["candidates"][c]["round_ms"] for r in reports]),
+                         calibrated_ms=reports[-1]["candidates"][c]["calibrated_ms"])
+                 for c in reports[-1]["candidates"]}
+    print(f"{'':>6s} {'tau':>6s} {'ms/round':>9s} {'tok/s':>8s}   auto's estimates: {'tau':>6s} {'ms/round':>9s} "
+          f"{'calibrated':>10s} {'rounds run':>10s}")
+    for name, r in rows.items():
+        e = estimates.get(name, {})
+        fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+        print(f"{name:>6s} {r['tau']:6.2f} {r['round_ms']:9.2f} {r['tokens_per_s']:8.1f}   {'':17s}"
+              f"{fmt(e.get('tokens_per_round'), '6.2f'):>6s} {fmt(e.get('round_ms'), '9.2f'):>9s} "
+              f"{fmt(e.get('calibrated_ms'), '10.2f'):>10s} {ran.get(name, 0) if name != 'auto' else '':>10}")
+    ratio = rows["auto"]["tokens_per_s"] / rows[best]["tokens_per_s"]
+    probes = sum(r["probe_rounds"] for r in reports)
+    overhead = sum(r["probe_overhead_seconds"] for r in reports)
+    print(f"auto {rows['auto']['tokens_per_s']:.1f} tokens/s = {ratio:.2f}x the best fixed choice ({best}, "
+          f"{rows[best]['tokens_per_s']:.1f}); {probes} probe rounds of {totals['auto']['rounds']}, overhead "
+          f"{overhead:.3f} s of {totals['auto']['seconds']:.2f} s; warm-up (calibrate + compile) "
+          f"{warm['auto']:.1f} s", flush=True)
+    auto_plot(rows, estimates, ran, a.budgets, os.path.join(a.out, "auto.png"))
+    return dict(rows=rows, best_fixed=best, auto_over_best=ratio, estimates=estimates, rounds_run=ran,
+                probe_rounds=probes, probe_overhead_seconds=overhead)
+
+
+def mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def auto_plot(rows, estimates, ran, budgets, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    chosen = max(ran, key=ran.get)
+    panels = (("tau", "tokens_per_round", "tokens per round (tau)"), ("round_ms", "round_ms", "ms per round"),
+              ("tokens_per_s", None, "tokens/s"))
+    for ax, (key, est_key, title) in zip(axes, panels):
+        ax.plot(budgets, [rows[str(b)][key] for b in budgets], "o-", label="DDTree, measured")
+        if est_key is not None:
+            xs = [b for b in budgets if estimates.get(str(b), {}).get(est_key) is not None]
+            ax.plot(xs, [estimates[str(b)][est_key] for b in xs], "x--", label="auto's estimate")
+        for name, color in (("ar", "C2"), ("chain", "C1")):
+            ax.axhline(rows[name][key], color=color, linestyle=":", label=name)
+        if key == "tokens_per_s":
+            ax.axhline(rows["auto"][key], color="C3", label="auto")
+        if chosen not in ("ar", "chain"):
+            ax.plot([int(chosen)], [rows[chosen][key]], "*", color="C3", markersize=16,
+                    label=f"auto's most run ({chosen})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tree nodes)")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=DEFAULT_TARGET)
@@ -91,6 +188,8 @@ def main():
     p.add_argument("--batch-budget", type=int, default=16)
     p.add_argument("--batch-prompts", type=int, default=16)
     p.add_argument("--only-batches", action="store_true", help="run the batched section alone")
+    p.add_argument("--only-auto", action="store_true", help="run budget auto beside the fixed choices, alone")
+    p.add_argument("--auto-passes", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench_pair")
@@ -103,6 +202,10 @@ def main():
     prompts = held_out_code(text, a.prompts, 64, 160, a.seed)
     contexts = held_out_code(text, a.contexts, 32, 256, a.seed + 1)
 
+    if a.only_auto:
+        write_json(os.path.join(a.out, "bench_pair_auto.json"), dict(args=vars(a),
+                                                                     auto=auto_section(target, drafter, text, a)))
+        return
     if a.batches:
         batched = batch_section(target, drafter, text, a)
         if a.only_batches:

@@ -341,7 +341,7 @@ def planted(control: str, method: str, draft_sampling: bool):
 # One full check
 
 
-def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: str, budget: int = 4,
+def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: str, budget: int | str = 4,
               draft_sampling: bool = False, draft_temperature: float = 1.0, control: str = "auto", seed: int = 0,
               attention_kind: str = "dense", control_samples: int | None = None, denoise_steps: int = 1,
               alpha: float = ALPHA, batch: int = 64, log=print):
@@ -392,7 +392,8 @@ def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: st
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ddtree")
-    p.add_argument("--budget", type=int, default=5)
+    p.add_argument("--budget", type=lambda v: v if v == "auto" else int(v), default=5,
+                   help="tree nodes, or auto (the candidates' rounds switch as budget auto chooses)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -21,6 +21,18 @@ def pytest_configure(config):
                             "ignore:flex_attention called without torch.compile:UserWarning")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cost_cache(tmp_path_factory):
+    """Budget auto's calibrations (budget.cache_file) go to a temporary directory, not the user's ~/.cache."""
+    before = os.environ.get("DDTREE_CACHE_DIR")
+    os.environ["DDTREE_CACHE_DIR"] = str(tmp_path_factory.mktemp("ddtree-cache"))
+    yield
+    if before is None:
+        del os.environ["DDTREE_CACHE_DIR"]
+    else:
+        os.environ["DDTREE_CACHE_DIR"] = before
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: intra-op threads only add OpenMP spin/wake overhead (eager flex_attention on 2 shared cores

@@ -173,3 +173,24 @@ def test_a_real_sized_vocabulary_through_its_support(tmp_path):
                            control_samples=400, log=lambda *a: None)
     assert 4 < len(out["law"].sequences) <= 64
     assert out["real"]["ok"] and out["control"]["ok"], (out["real"]["p"], out["control"]["p"])
+
+
+def test_budget_auto_switching_mid_request_follows_the_target_law(pair, law, monkeypatch):
+    """budget auto, its candidates (plain decoding, the chain, trees of 2 and 5) switched round by round in a
+    cycle that carries on across batches, so samples see every kind of switch mid-request: the law holds, and the
+    own_row control (tree rounds drawing the target's choice at the child's row) is rejected."""
+    from budget import AutoBudget
+    target, drafter = pair
+    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", (2, 5))
+    cycle = itertools.cycle([5, "chain", 2, "ar", 5, 2, "chain"])  # 7 rounds: each batch starts elsewhere
+    monkeypatch.setattr(AutoBudget, "choose", lambda self: (next(cycle), False))
+    kw = dict(method="ddtree", budget="auto")
+    with st.attention("dense"):
+        drawn, stats = st.draw_samples(target, drafter, PROMPT, N_TOKENS, 1000, seed0=0, batch=16, **kw, **WARP)
+        p, cells, outside, tv = st.chi_square(law.counts(drawn), law.probs)
+        assert stats["drafts_per_round"] > MIN_DRAFTS_PER_ROUND / 2, stats  # ar rounds draft nothing
+        assert outside == 0 and p >= ALPHA, f"p = {p:.3e}, TV = {tv:.4f}, {outside} outside the support"
+        with st.planted("own_row", "ddtree", False):
+            bad, _ = st.draw_samples(target, drafter, PROMPT, N_TOKENS, 400, seed0=0, batch=16, **kw, **WARP)
+        bp, _, _, btv = st.chi_square(law.counts(bad), law.probs)
+        assert bp < ALPHA, f"planted bug own_row not detected: p = {bp:.3e}, TV = {btv:.4f}"

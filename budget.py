@@ -1,0 +1,303 @@
+"""--budget auto: the fastest lossless setting for this device and this pair, measured rather than guessed.
+
+The candidates are plain decoding ("ar"), the DFlash chain ("chain") and DDTree trees of AUTO_BUDGETS nodes. Each
+round runs the candidate with the best expected tokens per second, tokens per round over seconds per round:
+
+- Seconds per round are measured. A calibration times every candidate's round on this device, compiled or eager
+  as the run is, at the run's batch size and cache size, once: the curve is cached on disk (cache_file()) and
+  reused by later runs. During a run, the rounds a candidate runs replace its calibrated time, and candidates not
+  run yet are scaled by how far the measured ones moved from their calibration (the context has grown, the
+  machine is busier).
+- Tokens per round are estimated from the run's own rounds. Plain decoding emits one. The best-first trees are
+  nested (the tree of B' nodes is the first B' nodes of the tree of B >= B'), so one verified tree tells what
+  every smaller budget would have accepted in that round (draft_tree.accepted_within), and what the chain would
+  have (draft_tree.chain_accepted: the chain is the trees' most probable spine). Rounds at the chosen budget keep
+  every smaller candidate's estimate current; larger ones are probed: the first round of a run at the largest
+  tree that could still win, later rounds at the next size up from the best, whenever probes have taken less
+  than PROBE_SHARE of the run's time. A run starts from the previous run's estimates (of the same engine), weighted
+  as PRIOR_ROUNDS rounds.
+- A candidate "could still win" while its round, accepting every draft (block_size tokens), would beat the best
+  estimate so far. The same bound prunes the calibration: trees whose round is too slow to beat plain decoding
+  even when everything is accepted are not timed, compiled or run (a bigger tree costs at least as much).
+
+Lossless: every round, whichever candidate runs it, commits tokens with the target's law given what is committed
+(each method is lossless from any state); the choice depends only on the past and on timings, never on the
+round's own randomness. Probe rounds are ordinary rounds: their tokens count, and their time is the run's.
+"""
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+
+AUTO_BUDGETS = (4, 16, 64, 256, 512)  # the tree sizes auto chooses among, with "ar" and "chain"
+PROBE_SHARE = 0.05  # probe rounds take at most this share of a run's time (after its first round, a probe)
+EMA_ROUNDS = 16  # an estimate averages about this many recent observations
+PRIOR_ROUNDS = 4  # a new run of the engine starts from the last run's estimates, weighted as this many rounds
+CALIBRATE_ROUNDS = 6  # timed rounds per candidate and pass (after two untimed ones)
+CALIBRATE_PASSES = 3  # passes over the candidates; a candidate's cost is the median of its timed rounds
+CALIBRATE_PROMPT = 256  # prompt tokens of the calibration's dummy requests
+
+
+def cache_file() -> str:
+    """Where calibrations are kept: $DDTREE_CACHE_DIR, else $XDG_CACHE_HOME/ddtree, else ~/.cache/ddtree."""
+    root = os.environ.get("DDTREE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ddtree")
+    return os.path.join(root, "costs.json")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{device.type}: {name}, {torch.get_num_threads()} threads"
+
+
+def cost_key(engine) -> str:
+    """What a round's time depends on: device, torch, dtype, both models' shapes, compile mode, batch, cache
+    slots, the sampling settings (warping costs time) and the drafter passes per round."""
+    target, drafter = engine.target, engine.drafter
+    return json.dumps(dict(device=device_name(engine.device), torch=torch.__version__, dtype=str(target.dtype),
+                           target=asdict(target.config), drafter=asdict(drafter.config), compile=engine.compiled,
+                           batch=engine.batch, slots=engine.max_seq_len, sampling=asdict(engine.sampling),
+                           denoise_steps=engine.spec.denoise_steps), sort_keys=True, default=str)
+
+
+def load_costs(key: str) -> dict | None:
+    try:
+        with open(cache_file()) as f:
+            return json.load(f).get(key)
+    except (OSError, ValueError):  # none yet, or unreadable: calibrate again
+        return None
+
+
+def save_costs(key: str, costs: dict):
+    """Add one calibration to the cache file (written whole to a temporary file, then renamed into place)."""
+    path = cache_file()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(path) as f:
+            everything = json.load(f)
+    except (OSError, ValueError):
+        everything = {}
+    everything[key] = costs
+    with open(path + f".{os.getpid()}", "w") as f:
+        json.dump(everything, f, indent=1)
+    os.replace(path + f".{os.getpid()}", path)
+
+
+def name(candidate) -> str:
+    """"ar", "chain" or the budget, as JSON keys and stats spell them."""
+    return str(candidate)
+
+
+def round_times(engine, prompt_len: int) -> list[float]:
+    """Seconds of CALIBRATE_ROUNDS of `engine`'s rounds (compiled first if it compiles), on dummy requests
+    filling its batch, after two untimed rounds."""
+    engine.warm_up()
+    engine.start([[1] * prompt_len] * engine.batch, seeds=list(range(engine.batch)))
+    times = []
+    for i in range(2 + CALIBRATE_ROUNDS):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times[2:]
+
+
+def calibrate(engines: dict, block_size: int, prompt_len: int) -> dict:
+    """Seconds per round for each candidate: the median over CALIBRATE_PASSES passes over the candidates in turn
+    (so that a slow moment of the machine hits them all alike), in order ar, chain, budgets ascending. A budget
+    whose round cannot beat plain decoding even when every draft is accepted ends the curve: it and the larger
+    budgets are None (not viable). The first pass already stops at a budget twice too slow, so that the largest
+    trees are not timed (nor compiled) for nothing."""
+    times = {c: [] for c in engines}
+
+    def too_slow(candidate, margin):
+        rate_if_all_accepted = block_size / statistics.median(times[candidate])
+        return isinstance(candidate, int) and rate_if_all_accepted * margin <= 1 / statistics.median(times["ar"])
+
+    for passes in range(CALIBRATE_PASSES):
+        for candidate, engine in engines.items():
+            if times[candidate] is None or passes == 0 and None in times.values():
+                times[candidate] = None
+                continue
+            times[candidate] += round_times(engine, prompt_len)
+            if passes == 0 and too_slow(candidate, margin=2):
+                times[candidate] = None
+    costs, ended = {}, False
+    for candidate, t in times.items():
+        ended = ended or t is None or too_slow(candidate, margin=1)
+        costs[name(candidate)] = None if ended and isinstance(candidate, int) else statistics.median(t)
+    return costs
+
+
+class Estimate:
+    """A running mean of the last ~EMA_ROUNDS observations (the plain mean until then)."""
+
+    def __init__(self):
+        self.value, self.count = None, 0
+
+    def add(self, x: float):
+        self.count += 1
+        self.value = x if self.value is None else self.value + (x - self.value) / min(self.count, EMA_ROUNDS)
+
+
+class AutoBudget:
+    """An engine that runs each round on the candidate with the best expected tokens/s: the Engine interface
+    (warm_up, start, step, finish) over one Engine per candidate, all sharing the models' caches. engines: candidate
+    -> Engine, in the order ar, chain, budgets ascending; every tree engine tallies the smaller budgets."""
+
+    def __init__(self, engines: dict, block_size: int):
+        self.engines, self.block_size = engines, block_size
+        self.any = next(iter(engines.values()))
+        self.key = cost_key(self.any)
+        self.calibrated, self.viable, self.warm = None, [], False
+        self.measured = {c: Estimate() for c in engines}  # seconds per round, measured in runs
+        self.tau = {c: Estimate() for c in engines}  # drafts accepted per round and running request
+
+    # -- the Engine interface --------------------------------------------------------------------------------------
+
+    def warm_up(self, recalibrate: bool = False) -> float:
+        """Load this device's calibration (or make it, or with `recalibrate` make it again: seconds reported as
+        stats' calibrate_seconds) and compile the viable candidates; returns the seconds spent, which the run's
+        tokens/s leaves out as it does a compile."""
+        if self.warm and not recalibrate:
+            return 0.0
+        t0 = time.perf_counter()
+        self.calibrated = None if recalibrate else load_costs(self.key)
+        self.calibrated_now = self.calibrated is None or set(self.calibrated) != {name(c) for c in self.engines}
+        if self.calibrated_now:
+            prompt_len = max(1, min(CALIBRATE_PROMPT, self.any.max_seq_len - self.scratch()))
+            self.calibrated = calibrate(self.engines, self.block_size, prompt_len)
+            save_costs(self.key, self.calibrated)
+        self.calibrate_seconds = time.perf_counter() - t0 if self.calibrated_now else 0.0
+        ar = self.calibrated["ar"]
+        self.viable = [c for c in self.engines if c == "ar" or (
+            self.calibrated[name(c)] is not None and self.block_size / self.calibrated[name(c)] > 1 / ar)]
+        for c in self.viable:
+            self.engines[c].warm_up()
+        self.warm = True
+        return time.perf_counter() - t0
+
+    def scratch(self) -> int:
+        """Slots the calibration's rounds need past its prompt: a verify and a block per round, and what they
+        commit."""
+        return max(e.nodes + 1 for e in self.engines.values() if e.method != "ar") + \
+            (2 + CALIBRATE_ROUNDS + 1) * self.block_size
+
+    def start(self, prompts, seeds):
+        self.schedule, self.seconds = [], 0.0
+        self.probe_rounds, self.probe_seconds, self.probe_overhead = 0, 0.0, 0.0
+        for estimate in self.tau.values():  # the last run's, as a prior that this run's rounds soon outweigh
+            estimate.count = min(estimate.count, PRIOR_ROUNDS)
+        self.current = self.engines[self.viable[0]]
+        return self.current.start(prompts, seeds)
+
+    def finish(self, i: int):
+        self.current.finish(i)
+
+    def step(self):
+        """One round on the chosen candidate (Engine.step's result); its time and acceptance update the estimates."""
+        candidate, probing = self.choose()
+        engine = self.engines[candidate]
+        engine.adopt(self.current)
+        running = [g is not None for g in engine.generators]
+        t0 = time.perf_counter()
+        new = engine.step()
+        seconds = time.perf_counter() - t0
+        self.current = engine
+        self.observe(candidate, engine, running, seconds)
+        self.schedule.append(name(candidate))
+        self.seconds += seconds
+        if probing:
+            self.probe_rounds += 1
+            self.probe_seconds += seconds
+            best = self.best()  # what the probe's tokens would have cost on the best candidate
+            self.probe_overhead += seconds - self.mean(engine.last_lengths, running) * self.cost(best) / \
+                self.tokens(best)
+        return new
+
+    def choose(self):
+        """(candidate, whether it is a probe): the best estimate, or a probe of a larger candidate that could still
+        win, in the run's first round and whenever probes have taken less than PROBE_SHARE of the run's time."""
+        if not self.schedule or self.probe_seconds < PROBE_SHARE * self.seconds:
+            probe = self.probe_candidate(first=not self.schedule)
+            if probe is not None:
+                return probe, True
+        return self.best(), False
+
+    # -- estimates and the choice ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def mean(values, running) -> float:
+        picked = [v for v, r in zip(values, running) if r]
+        return sum(picked) / len(picked)
+
+    def observe(self, candidate, engine, running, seconds):
+        """Fold one round into the estimates: its time into its candidate's cost; its acceptance into its own
+        estimate and, for a tree, every smaller budget's and the chain's."""
+        self.measured[candidate].add(seconds)
+        if candidate == "chain":
+            self.tau["chain"].add(self.mean(engine.last_lengths, running) - 1)
+        elif candidate != "ar":
+            for j, b in enumerate(engine.tally_budgets + ("chain",)):
+                self.tau[b].add(self.mean([t[j] for t in engine.last_tally], running))
+
+    def cost(self, candidate) -> float:
+        """Seconds per round: this run's measurement, else the calibration scaled by how far this run's measured
+        candidates moved from theirs."""
+        if self.measured[candidate].value is not None:
+            return self.measured[candidate].value
+        ratios = [e.value / self.calibrated[name(c)] for c, e in self.measured.items() if e.value is not None]
+        return self.calibrated[name(candidate)] * (statistics.median(ratios) if ratios else 1.0)
+
+    def tokens(self, candidate) -> float | None:
+        """Expected tokens per round (accepted drafts and the target's own token); None while unknown."""
+        if candidate == "ar":
+            return 1.0
+        value = self.tau[candidate].value
+        return None if value is None else 1.0 + value
+
+    def best(self):
+        known = [c for c in self.viable if self.tokens(c) is not None]
+        return max(known, key=lambda c: self.tokens(c) / self.cost(c))
+
+    def probe_candidate(self, first: bool):
+        """The candidate to probe, if any: a tree larger than the best (whose own rounds inform every smaller
+        candidate) that could still beat the best were it to accept every draft. The first probe of a run takes the
+        largest such tree, which informs every candidate that could win; later ones the next size up from the best,
+        which costs the least and lets the choice climb while bigger trees pay off."""
+        best = self.best()
+        rate = self.tokens(best) / self.cost(best)
+        larger = [c for c in self.viable if isinstance(c, int) and (not isinstance(best, int) or c > best)]
+        within_reach = [c for c in larger if self.block_size / self.cost(c) > rate]
+        if not within_reach:
+            return None
+        return within_reach[-1] if first else within_reach[0]
+
+    def report(self) -> dict:
+        """stats["auto"]: the choice, each candidate's estimates (tokens per round and tokens/s per request, round
+        time this run and calibrated), the rounds each ran, the probing and its overhead (its rounds' time less
+        what the best candidate would have taken for their tokens), and the calibration."""
+        counts = {c: self.schedule.count(c) for c in dict.fromkeys(self.schedule)}
+        best = self.best()
+        return dict(
+            choice=name(best), rounds_per_candidate=counts, schedule=self.schedule,
+            probe_rounds=self.probe_rounds, probe_seconds=self.probe_seconds, probe_overhead_seconds=self.probe_overhead,
+            calibrated_now=self.calibrated_now, calibrate_seconds=self.calibrate_seconds, cost_file=cache_file(),
+            candidates={name(c): dict(
+                viable=c in self.viable, tokens_per_round=self.tokens(c),
+                round_ms=None if self.calibrated[name(c)] is None else 1e3 * self.cost(c),
+                calibrated_ms=None if self.calibrated[name(c)] is None else 1e3 * self.calibrated[name(c)],
+                tokens_per_s=None if self.tokens(c) is None or self.calibrated[name(c)] is None
+                else self.tokens(c) / self.cost(c))
+                for c in self.engines})

@@ -1,0 +1,188 @@
+"""budget="auto" (budget.py): lossless whichever candidate runs each round, its estimates and report, the
+calibration and its cache on disk, bad input, and the compiled engine (no graph after warm-up, one host read per
+round)."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+import budget
+import ddtree
+from budget import AutoBudget
+from conftest import assert_one_error_line, cli, compiled_equals_eager
+from ddtree import generate, generate_batch
+from test_batch import STOP, ragged_prompts, write_pair
+
+GRID = (2, 6, 12)  # tree sizes for the tiny pair (block 5: 4 draft positions)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, one_thread):
+    return write_pair(tmp_path_factory.mktemp("auto"))
+
+
+@pytest.fixture(autouse=True)
+def small_grid(monkeypatch):
+    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", GRID)
+
+
+def forced(schedule):
+    """AutoBudget.choose replaced by a fixed cycle of candidates, carried on across runs and batches, so that every
+    switch (to and from plain decoding, the chain and each tree) happens mid-request."""
+    cycle = itertools.cycle(schedule)
+    return lambda self: (next(cycle), False)
+
+
+SWITCHES = ["ar", "chain", 12, 2, "ar", 6, "chain", "ar", 12, 12, 6, 2, "chain", 6]
+
+
+def test_greedy_auto_equals_ar_through_every_switch(pair, monkeypatch):
+    target, drafter = pair
+    monkeypatch.setattr(AutoBudget, "choose", forced(SWITCHES))
+    prompts = ragged_prompts(5, seed=3)
+    ar = generate_batch(target, None, prompts, method="ar", max_new_tokens=40, stop_ids=[STOP], max_batch=4)
+    auto = generate_batch(target, drafter, prompts, budget="auto", max_new_tokens=40, stop_ids=[STOP], max_batch=4)
+    assert [r.tokens for r in auto] == [r.tokens for r in ar]
+    ran = {c for r in auto for c in r.stats["auto"]["schedule"]}
+    assert ran == {"ar", "chain", "2", "6", "12"}
+    assert all(r.stats["budget"] == "auto" for r in auto)
+
+
+def test_greedy_auto_equals_ar_as_it_chooses(pair):
+    """Unforced: the choice follows the estimates; the tokens are AR's, and the report adds up."""
+    target, drafter = pair
+    for prompt in ragged_prompts(4, seed=4):
+        ar = generate(target, None, prompt, method="ar", max_new_tokens=60, stop_ids=[])
+        res = generate(target, drafter, prompt, budget="auto", max_new_tokens=60, stop_ids=[])
+        assert res.tokens == ar.tokens
+        a = res.stats["auto"]
+        assert len(a["schedule"]) == res.stats["rounds"] == sum(a["rounds_per_candidate"].values())
+        assert 1 <= a["probe_rounds"] <= res.stats["rounds"]
+        assert a["choice"] in a["candidates"] and a["candidates"][a["choice"]]["viable"]
+        assert set(a["candidates"]) == {"ar", "chain", "2", "6", "12"}
+        assert a["candidates"]["ar"]["tokens_per_round"] == 1.0
+        # the first probe ran the largest viable tree, which informs every smaller candidate's estimate
+        viable = [c for c, v in a["candidates"].items() if v["viable"]]
+        assert a["schedule"][0] == viable[-1]
+        assert all(a["candidates"][c]["tokens_per_round"] is not None for c in viable)
+        json.dumps(res.stats)
+
+
+def test_estimates_are_what_each_candidate_accepted(pair, monkeypatch):
+    """Rounds at the largest tree only: its estimate for each smaller tree and the chain is the mean (while fewer
+    than EMA_ROUNDS rounds) of what each would have accepted, which must equal separate one-round runs at that
+    budget and of the chain from the same contexts (greedy)."""
+    target, drafter = pair
+    monkeypatch.setattr(AutoBudget, "choose", lambda self: (12, False))
+    contexts = ragged_prompts(8, seed=6)
+    for prompt in contexts:
+        ddtree._ENGINES.clear()  # a new engine: no estimates from earlier runs
+        res = generate(target, drafter, prompt, budget="auto", max_new_tokens=2, stop_ids=[])
+        est = res.stats["auto"]["candidates"]
+        for c in ("chain", "2", "6", "12"):
+            method, b = ("dflash", None) if c == "chain" else ("ddtree", int(c))
+            one = generate(target, drafter, prompt, method=method, budget=b, max_new_tokens=2, stop_ids=[])
+            if c == "chain":  # a lower bound where the tree lacked the chain's next node (draft_tree.chain_accepted)
+                assert est[c]["tokens_per_round"] <= one.stats["verified"][0], (prompt, c)
+            else:
+                assert est[c]["tokens_per_round"] == one.stats["verified"][0], (prompt, c)
+
+
+def test_calibration_is_cached_and_reused(pair, monkeypatch, tmp_path):
+    target, drafter = pair
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
+    ddtree._ENGINES.clear()
+    first = generate(target, drafter, [3, 4, 5], budget="auto", max_new_tokens=8).stats["auto"]
+    assert first["calibrated_now"] and first["calibrate_seconds"] > 0
+    stored = json.loads((tmp_path / "costs.json").read_text())
+    assert len(stored) == 1
+    costs = next(iter(stored.values()))
+    assert set(costs) == {"ar", "chain", "2", "6", "12"} and costs["ar"] > 0
+    ddtree._ENGINES.clear()  # a new engine (as in a new process) reads the file instead of calibrating
+    second = generate(target, drafter, [3, 4, 5], budget="auto", max_new_tokens=8).stats["auto"]
+    assert not second["calibrated_now"] and second["calibrate_seconds"] == 0
+    assert {c: v["calibrated_ms"] for c, v in second["candidates"].items()} == \
+        {c: None if v is None else 1e3 * v for c, v in costs.items()}
+    # another batch size is another calibration, kept beside the first; an unreadable file is recalibrated
+    generate_batch(target, drafter, [[3, 4, 5]] * 2, budget="auto", max_new_tokens=8)
+    assert len(json.loads((tmp_path / "costs.json").read_text())) == 2
+    (tmp_path / "costs.json").write_text("{not json")
+    ddtree._ENGINES.clear()
+    assert generate(target, drafter, [3, 4, 5], budget="auto", max_new_tokens=8).stats["auto"]["calibrated_now"]
+    assert len(json.loads((tmp_path / "costs.json").read_text())) == 1
+
+
+def test_calibration_ends_the_curve_where_trees_cannot_beat_plain_decoding(monkeypatch):
+    """A tree whose round, accepting every draft, is no faster than plain decoding is not viable, nor is any
+    larger one. One twice too slow in the first pass ends the timing there (the larger ones are not timed, so not
+    compiled). The times stand in for a device's; the rule is what is checked."""
+    def run(seconds):
+        timed = []
+        monkeypatch.setattr(budget, "round_times", lambda engine, prompt_len: timed.append(engine) or
+                            [seconds[engine]] * budget.CALIBRATE_ROUNDS)
+        return budget.calibrate({c: c for c in seconds}, block_size=8, prompt_len=16), timed
+
+    # block 8: 16's round at 9 s would give at most 8 / 9 tokens/s, below plain decoding's 1
+    costs, timed = run({"ar": 1.0, "chain": 2.0, 4: 3.0, 16: 9.0, 64: 4.0, 256: 30.0})
+    assert costs == {"ar": 1.0, "chain": 2.0, "4": 3.0, "16": None, "64": None, "256": None}
+    assert timed.count(256) == 1 and timed.count("ar") == budget.CALIBRATE_PASSES  # dropped after the first pass
+    costs, timed = run({"ar": 1.0, "chain": 2.0, 4: 3.0, 16: 20.0, 64: 4.0, 256: 30.0})  # twice too slow
+    assert costs == {"ar": 1.0, "chain": 2.0, "4": 3.0, "16": None, "64": None, "256": None}
+    assert 64 not in timed and 256 not in timed and timed.count(16) == 1
+    costs, _ = run({"ar": 1.0, "chain": 2.0, 4: 3.0, 16: 7.0, 64: 7.9, 256: 30.0})
+    assert costs == {"ar": 1.0, "chain": 2.0, "4": 3.0, "16": 7.0, "64": 7.9, "256": None}
+
+
+def test_probing_picks_the_largest_tree_that_could_win_then_climbs(pair, monkeypatch):
+    """The first probe runs the largest viable tree that could beat the best estimate were it to accept every
+    draft; later probes the next size up from the best."""
+    target, drafter = pair
+    engine = ddtree.auto_engine(target, drafter, ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024, False,
+                                False, 1, GRID)
+    engine.calibrated = {"ar": 1.0, "chain": 2.0, "2": 2.0, "6": 3.0, "12": 4.5}
+    engine.viable = ["ar", "chain", 2, 6, 12]
+    with torch.inference_mode():  # as generate() runs engines (the caches must not record autograd history)
+        engine.start([[3, 4, 5]], [0])
+    assert engine.probe_candidate(first=True) == 12  # 5 / 4.5 > 1 / 1 (plain decoding)
+    engine.calibrated["12"] = 6.0  # 5 / 6 < 1: out of reach
+    assert engine.probe_candidate(first=True) == 6
+    for c, tau in (("chain", 1.5), (2, 2.5), (6, 2.0), (12, 3.0)):
+        engine.tau[c].add(tau - 1)
+    engine.calibrated["12"] = 3.9  # 5 / 3.9 could beat 2's 2.5 / 2; 3 / 3.9 does not
+    assert engine.best() == 2  # 2.5 / 2 beats 1.5 / 2, 2 / 3, 3 / 3.9 and 1 / 1
+    assert engine.probe_candidate(first=False) == 6 and engine.probe_candidate(first=True) == 12
+
+
+def test_bad_budget_values(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="budget must be a positive integer or 'auto'"):
+        generate(target, drafter, [3, 4], budget="fast")
+    with pytest.raises(ValueError, match="budget does not apply to method 'dflash'"):
+        generate(target, drafter, [3, 4], method="dflash", budget="auto")
+    code, _, err = cli("--prompt", "x", "--method", "ar", "--budget", "auto")
+    assert_one_error_line(code, err, "--budget does not apply")
+    code, _, err = cli("--prompt", "x", "--budget", "fast")
+    assert_one_error_line(code, err, "--budget must be an integer")
+
+
+def test_cli_budget_auto_reports_its_choice(pair):
+    code, out, err = cli("--prompt", "def f(x):", "--budget", "auto", "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    stats = json.loads(out)["stats"]
+    assert stats["budget"] == "auto" and stats["auto"]["choice"] in stats["auto"]["candidates"]
+    code, out, err = cli("--prompt", "def f(x):", "--budget", "auto", "--max-new-tokens", "12")
+    assert code == 0 and "auto:" in err, err
+
+
+def test_compiled_auto_equals_eager_without_new_graphs(tmp_path, monkeypatch, one_thread):
+    """Compiled: after the warm-up (calibration and compiling the viable candidates), runs switching between every
+    candidate give eager's tokens with no new graph and one host read per round."""
+    target, drafter = write_pair(tmp_path, target_layers=2, draft_layers=1)  # small graphs: compile time
+    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", (6,))
+    monkeypatch.setattr(AutoBudget, "choose", forced(["ar", 6, "chain", 6, "ar", "chain"]))
+    cases = ragged_prompts(3, seed=8)
+    compiled_equals_eager(lambda prompt, compile: generate(target, drafter, prompt, budget="auto",
+                                                           max_new_tokens=20, stop_ids=[STOP], compile=compile),
+                          cases)
