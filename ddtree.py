@@ -373,16 +373,19 @@ class Engine:
         chunk = PREFILL_CHUNK
         if self.prefill_mask.dense:  # eager, the mask materialized: no graph to keep fixed, so only the rows needed
             chunk = min(PREFILL_CHUNK, round_up(max(map(len, prompts)), 8))
-        padded = torch.zeros(self.batch, round_up(max(map(len, prompts)), chunk), dtype=torch.long)
+        # [chunks, N, chunk]: each chunk's rows with strides of their own (a compiled step guards on strides, and
+        # a slice of [N, chunks x chunk] rows has the longest prompt's, even for N = 1)
+        chunks = torch.zeros(round_up(max(map(len, prompts)), chunk) // chunk, self.batch, chunk, dtype=torch.long)
         for i, p in enumerate(prompts):
-            padded[i, :len(p)] = torch.tensor(p)
-        padded, last, noise = padded.to(self.device), lengths - 1, self.noise(1)
+            for k in range(0, len(p), chunk):
+                chunks[k // chunk, i, :len(p[k:k + chunk])] = torch.tensor(p[k:k + chunk])
+        chunks, last, noise = chunks.to(self.device), lengths - 1, self.noise(1)
         token = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         ok = torch.ones(self.batch, dtype=torch.bool, device=self.device)
-        for start in range(0, padded.shape[1], chunk):
+        for k, start in enumerate(range(0, chunks.shape[0] * chunk, chunk)):
             row = (last - start).clamp(0, chunk - 1)[:, None]
             starts = torch.full((self.batch,), start, device=self.device)  # [N]: see PrefixMask.set
-            t, o = self.prefill_step(padded[:, start:start + chunk], starts, row, noise)
+            t, o = self.prefill_step(chunks[k], starts, row, noise)
             here = (last >= start) & (last < start + chunk)  # the chunk that holds the request's last row
             token, ok = torch.where(here, t[:, 0], token), torch.where(here, o, ok)
         return token, ok

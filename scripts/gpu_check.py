@@ -9,7 +9,8 @@ Prints and writes, most important first: the measured device copy bandwidth and 
 paper's budget (draft, tree, mask, verify, walk, compact, context: benchlib.round_split), the whole compiled
 round, and tree + mask + walk compiled with and without CUDA graphs; generate() end to end as users run it
 (compiled, CUDA graphs on the GPU: AR and DDTree, each twice); the other budgets; generate_batch at B = 64 and 512
-with batches of 1, 4 and 16; tree build alone at the paper's size; then a Qwen3-30B-A3B-shaped MoE target (48
+with batches of 1, 4 and 16; budget auto's calibration curve (seconds per round of AR, the chain and each tree) and
+one auto run; tree build alone at the paper's size; then a Qwen3-30B-A3B-shaped MoE target (48
 layers, 128 experts, top 8): the grouped-GEMM expert path checked against the all-experts one, its AR step beside
 the floor of the weights a token reads, and its verify forward per budget. Every section compiles 8B-shaped graphs afresh, so the first compiled AR step's time is taken
 as the cost of one graph, and a section starts only if its graphs fit before --deadline (else it is listed as
@@ -29,6 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from benchlib import (batched_run, round_header, round_row, round_split, sync, timed, tree_alone,  # noqa: E402
                       verify_ms, write_json)
+import ddtree  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from model import Qwen3, Qwen3Config, SparseMoE, grouped_mm_supported, rope_inv_freq  # noqa: E402
@@ -177,6 +179,38 @@ def batched_section(a, target, drafter, out, section, t0):
                   f"  [{time.time() - t0:.0f} s]", flush=True)
 
 
+def auto_section(a, target, drafter, out, section, t0):
+    """budget auto on this device (compiled, batch 1, greedy): its calibration (seconds per round of each candidate,
+    and the rate each would reach accepting every draft, which decides whether it is viable), then one
+    generate(budget="auto") (random weights accept little, so auto should settle on plain decoding)."""
+    budgets = ddtree.auto_budgets(128, 64, target)
+    if not section("budget auto", graphs=len(budgets) + 3):  # a round per candidate and a prefill
+        return
+    spec = ddtree.Speculation(budget="auto")
+    length = ddtree.cache_length(128, 64, "ddtree", spec, drafter, budgets)
+    engine = ddtree.auto_engine(target, drafter, ddtree.Sampling(), spec, length, True, False, 1, budgets)
+    warm_up = engine.warm_up(recalibrate=True)
+    curve = {}
+    print(f"budget auto calibration ({engine.calibrate_seconds:.0f} s, {warm_up:.0f} s with compiling):", flush=True)
+    for c in engine.engines:
+        cost = engine.calibrated[str(c)]
+        tokens = 1 if c == "ar" else drafter.block_size
+        curve[str(c)] = dict(round_ms=None if cost is None else 1e3 * cost, viable=c in engine.viable,
+                             tokens_per_s_if_all_accepted=None if cost is None else tokens / cost)
+        print(f"  {str(c):>5s}: " + ("not timed (a smaller tree cannot beat AR)" if cost is None else
+                                     f"{1e3 * cost:8.2f} ms/round, {tokens / cost:9.1f} tok/s if all accepted, "
+                                     f"viable: {c in engine.viable}"), flush=True)
+    prompt = torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    res = generate(target, drafter, prompt, budget="auto", max_new_tokens=64, compile=True, stop_ids=[])
+    report = res.stats["auto"]
+    out["auto"] = dict(curve=curve, calibrate_seconds=engine.calibrate_seconds, warm_up_seconds=warm_up,
+                       tokens_per_s=res.stats["tokens_per_s"], tau=res.stats["tau"], choice=report["choice"],
+                       rounds_per_candidate=report["rounds_per_candidate"],
+                       probe_overhead_seconds=report["probe_overhead_seconds"])
+    print(f"generate budget=auto: {res.stats['tokens_per_s']:.1f} tok/s, tau {res.stats['tau']:.2f}, best "
+          f"{report['choice']}, rounds {report['rounds_per_candidate']}  [{time.time() - t0:.0f} s]", flush=True)
+
+
 def run_round(a, budget, target, drafter, out, section, t0, graphs, cols):
     """One budget's round split (benchlib.round_split), as a table row."""
     if not section(f"round B={budget}", graphs):
@@ -264,6 +298,7 @@ def main():
         for budget in a.budgets[1:]:
             run_round(a, budget, target, drafter, out, section, t0, 3, cols)
         batched_section(a, target, drafter, out, section, t0)
+        auto_section(a, target, drafter, out, section, t0)
         if section("tree alone", graphs=0):
             t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
             out["tree_alone"] = t

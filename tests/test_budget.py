@@ -177,12 +177,21 @@ def test_cli_budget_auto_reports_its_choice(pair):
 
 
 def test_compiled_auto_equals_eager_without_new_graphs(tmp_path, monkeypatch, one_thread):
-    """Compiled: after the warm-up (calibration and compiling the viable candidates), runs switching between every
-    candidate give eager's tokens with no new graph and one host read per round."""
+    """Compiled: after the warm-up (compiling the viable candidates), runs switching between plain decoding and a
+    tree that tallies give eager's tokens with no new graph and one host read per round. The calibration is given
+    (the chain not viable), so that the test compiles two rounds and a prefill; the chain is a dflash engine,
+    compiled in test_speculative."""
     target, drafter = write_pair(tmp_path, target_layers=2, draft_layers=1)  # small graphs: compile time
     monkeypatch.setattr(ddtree, "AUTO_BUDGETS", (6,))
-    monkeypatch.setattr(AutoBudget, "choose", forced(["ar", 6, "chain", 6, "ar", "chain"]))
+    spec = ddtree.Speculation(budget="auto")
+    with torch.inference_mode():
+        length = ddtree.cache_length(40, 20, "ddtree", spec, drafter.bind(target), (6,))
+        key = ddtree.auto_engine(target, drafter, ddtree.Sampling(), spec, length, True, False, 1, (6,)).key
+    budget.save_costs(key, {"ar": 1e-3, "chain": None, "6": 2e-3})
+    monkeypatch.setattr(AutoBudget, "choose", forced(["ar", 6, 6, "ar", "ar", 6]))
     cases = ragged_prompts(3, seed=8)
-    compiled_equals_eager(lambda prompt, compile: generate(target, drafter, prompt, budget="auto",
-                                                           max_new_tokens=20, stop_ids=[STOP], compile=compile),
-                          cases)
+    runs = compiled_equals_eager(lambda prompt, compile: generate(target, drafter, prompt, budget="auto",
+                                                                  max_new_tokens=20, stop_ids=[STOP],
+                                                                  compile=compile), cases)
+    assert not any(r.stats["auto"]["calibrated_now"] for r in runs)
+    assert {c for r in runs for c in r.stats["auto"]["schedule"]} == {"ar", "6"}
