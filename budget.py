@@ -158,7 +158,7 @@ class AutoBudget:
 
     def __init__(self, engines: dict, block_size: int):
         self.engines, self.block_size = engines, block_size
-        self.any = next(iter(engines.values()))
+        self.any = engines["chain"]  # any engine with the drafter: what the calibration's key is made of
         self.key = cost_key(self.any)
         self.calibrated, self.viable, self.warm = None, [], False
         self.measured = {c: Estimate() for c in engines}  # seconds per round, measured in runs
@@ -196,11 +196,17 @@ class AutoBudget:
 
     def start(self, prompts, seeds):
         self.schedule, self.seconds = [], 0.0
-        self.probe_rounds, self.probe_seconds, self.probe_overhead = 0, 0.0, 0.0
+        self.probe_rounds, self.probe_seconds, self.probe_overhead, self.catch_up_seconds = 0, 0.0, 0.0, 0.0
         for estimate in self.tau.values():  # the last run's, as a prior that this run's rounds soon outweigh
             estimate.count = min(estimate.count, PRIOR_ROUNDS)
-        self.current = self.engines[self.viable[0]]
-        return self.current.start(prompts, seeds)
+        # A speculative engine prefills (the prompt is the drafter's first context), unless none is viable.
+        self.current = self.engines[next((c for c in self.viable if c != "ar"), "ar")]
+        first = self.current.start(prompts, seeds)
+        # Each request's tokens (prompt, then what it emitted; the last one is the next round's input, not yet in
+        # any cache) while it runs, and where the drafter's context stops when plain decoding has run without it.
+        self.history = [list(p) + [t] for p, t in zip(prompts, first)]
+        self.drafter_behind = None if self.current.drafter is not None else [0] * len(prompts)
+        return first
 
     def finish(self, i: int):
         self.current.finish(i)
@@ -209,15 +215,25 @@ class AutoBudget:
         """One round on the chosen candidate (Engine.step's result); its time and acceptance update the estimates."""
         candidate, probing = self.choose()
         engine = self.engines[candidate]
+        running = [g is not None for g in self.current.generators]
+        t0 = time.perf_counter()
+        self.keep_drafter_context(engine, running)
+        catch_up = time.perf_counter() - t0
         engine.adopt(self.current)
-        running = [g is not None for g in engine.generators]
         t0 = time.perf_counter()
         new = engine.step()
         seconds = time.perf_counter() - t0
         self.current = engine
+        for i, (tokens, _) in enumerate(new[:len(self.history)]):
+            if running[i]:
+                self.history[i] += tokens
         self.observe(candidate, engine, running, seconds)
         self.schedule.append(name(candidate))
         self.seconds += seconds
+        self.seconds += catch_up
+        self.catch_up_seconds += catch_up
+        if probing or catch_up:  # switching back to speculation is exploring: it counts against PROBE_SHARE
+            self.probe_seconds += catch_up
         if probing:
             self.probe_rounds += 1
             self.probe_seconds += seconds
@@ -225,6 +241,20 @@ class AutoBudget:
             self.probe_overhead += seconds - self.mean(engine.last_lengths, running) * self.cost(best) / \
                 self.tokens(best)
         return new
+
+    def keep_drafter_context(self, engine, running):
+        """Plain decoding runs without the drafter (its round is then plain decoding's own, at its own cost); the
+        drafter's context falls behind, and catches up, in one pass of the target over the tokens it missed
+        (Engine.catch_up), when a speculative round comes next."""
+        positions = [len(h) - 1 for h in self.history]  # tokens in the caches, per request
+        if engine.drafter is None and self.drafter_behind is None:
+            self.drafter_behind = positions
+        elif engine.drafter is not None and self.drafter_behind is not None:
+            missed = [h[b:p] if r else [] for h, b, p, r in zip(self.history, self.drafter_behind, positions, running)]
+            pad = engine.batch - len(missed)  # rows past the requests: a dummy row each
+            engine.catch_up(missed + [[]] * pad, [p if not m else b for m, b, p in
+                                                  zip(missed, self.drafter_behind, positions)] + [0] * pad)
+            self.drafter_behind = None
 
     def choose(self):
         """(candidate, whether it is a probe): the best estimate, or a probe of a larger candidate that could still
@@ -257,7 +287,8 @@ class AutoBudget:
         candidates moved from theirs."""
         if self.measured[candidate].value is not None:
             return self.measured[candidate].value
-        ratios = [e.value / self.calibrated[name(c)] for c, e in self.measured.items() if e.value is not None]
+        ratios = [e.value / self.calibrated[name(c)] for c, e in self.measured.items()
+                  if e.value is not None and self.calibrated[name(c)] is not None]
         return self.calibrated[name(candidate)] * (statistics.median(ratios) if ratios else 1.0)
 
     def tokens(self, candidate) -> float | None:
@@ -293,6 +324,7 @@ class AutoBudget:
         return dict(
             choice=name(best), rounds_per_candidate=counts, schedule=self.schedule,
             probe_rounds=self.probe_rounds, probe_seconds=self.probe_seconds, probe_overhead_seconds=self.probe_overhead,
+            catch_up_seconds=self.catch_up_seconds,
             calibrated_now=self.calibrated_now, calibrate_seconds=self.calibrate_seconds, cost_file=cache_file(),
             candidates={name(c): dict(
                 viable=c in self.viable, tokens_per_round=self.tokens(c),

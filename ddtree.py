@@ -355,21 +355,19 @@ class Engine:
 
     def _decode(self, token, start, noise):
         """ar's round: the target over each request's last token; returns what _round does (the one committed row,
-        length 1, the next token, soundness, no tree, no tally). With a drafter (budget auto's plain decoding) the
-        token's features also extend the drafter's context, so that a speculative round can follow."""
-        logits, features = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start),
-                                       feature_layers=self.feature_layers)
-        if self.drafter is not None:
-            self.drafter.append_context(features, start[:, None], start[:, None])
+        length 1, the next token, soundness, no tree, no tally)."""
+        logits, _ = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start))
         next_token, ok = self.pick(logits, noise)
         return token[:, None], torch.ones_like(start), next_token[:, 0], ok, None, None
 
-    def prefill(self, prompts: list[list[int]]):
-        """Fill the caches with the prompts in fixed chunks, all requests side by side (a shorter prompt's rows
-        past its end are padding: their K/V land beyond the prompt, where nothing reads them before they are
-        overwritten). Returns each request's first new token (from its last prompt row) and whether it was
-        sound. The target's draw uses one noise row per request, drawn once."""
+    def prefill(self, prompts: list[list[int]], starts: list[int] | None = None, draw: bool = True):
+        """Fill the caches with the prompts in fixed chunks, all requests side by side, request i's from position
+        starts[i] (default 0) on (a shorter prompt's rows past its end are padding: their K/V land beyond the
+        prompt, where nothing reads them before they are overwritten). Returns each request's first new token
+        (from its last prompt row) and whether it was sound. The target's draw uses one noise row per request,
+        drawn once (draw=False: a catch-up, whose token is not used, draws nothing)."""
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        offsets = torch.tensor(starts or [0] * self.batch, device=self.device)
         chunk = PREFILL_CHUNK
         if self.prefill_mask.dense:  # eager, the mask materialized: no graph to keep fixed, so only the rows needed
             chunk = min(PREFILL_CHUNK, round_up(max(map(len, prompts)), 8))
@@ -379,16 +377,24 @@ class Engine:
         for i, p in enumerate(prompts):
             for k in range(0, len(p), chunk):
                 chunks[k // chunk, i, :len(p[k:k + chunk])] = torch.tensor(p[k:k + chunk])
-        chunks, last, noise = chunks.to(self.device), lengths - 1, self.noise(1)
+        chunks, last = chunks.to(self.device), lengths - 1
+        noise = self.noise(1) if draw or self.sampling.greedy else \
+            torch.ones(self.batch, 1, self.target.config.vocab_size, device=self.device)
         token = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         ok = torch.ones(self.batch, dtype=torch.bool, device=self.device)
         for k, start in enumerate(range(0, chunks.shape[0] * chunk, chunk)):
             row = (last - start).clamp(0, chunk - 1)[:, None]
-            starts = torch.full((self.batch,), start, device=self.device)  # [N]: see PrefixMask.set
-            t, o = self.prefill_step(chunks[k], starts, row, noise)
+            t, o = self.prefill_step(chunks[k], offsets + start, row, noise)  # [N] starts: see PrefixMask.set
             here = (last >= start) & (last < start + chunk)  # the chunk that holds the request's last row
             token, ok = torch.where(here, t[:, 0], token), torch.where(here, o, ok)
         return token, ok
+
+    def catch_up(self, tokens: list[list[int]], starts: list[int]):
+        """Budget auto: the target over committed tokens the drafter has not seen (rounds of plain decoding run
+        without it), request i's from position starts[i], to extend the drafter's context (an empty list: a dummy
+        row past the committed tokens). The target's K/V there are written again, with the same values up to
+        rounding; nothing is drawn from the requests' generators."""
+        self.prefill([t or [0] for t in tokens], starts, draw=False)
 
     def _prefill_step(self, tokens, start, last_row, noise):
         """A chunk of prompt rows of every request at positions start.. (PREFILL_CHUNK rows; fewer in an eager
@@ -474,7 +480,6 @@ class Engine:
             drafter.setup_cache(max_seq_len, batch)
             self.feature_layers = tuple(drafter.config.target_layer_ids)
             self.depth = drafter.block_size - 1  # L: draft positions per round
-        if method != "ar":
             self.nodes = spec.budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
             self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch)
             self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
@@ -547,10 +552,12 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, sh
 
 
 def auto_engine(target, drafter, sampling, spec, max_seq_len, compile, show_tree, batch, budgets) -> AutoBudget:
-    """Budget auto's candidates, one engine each over the same caches: plain decoding (keeping the drafter's
-    context), the chain, and a tree per budget that also tallies every smaller budget and the chain."""
+    """Budget auto's candidates, one engine each over the same caches: plain decoding (without the drafter: its
+    context catches up when a speculative round follows), the chain, and a tree per budget that also tallies every
+    smaller budget and the chain."""
     def engine(method, spec, tally=()):
-        return Engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch, tally)
+        return Engine(target, drafter if method != "ar" else None, method, sampling, spec, max_seq_len, compile,
+                      show_tree, batch, tally)
     chain_spec = Speculation(denoise_steps=spec.denoise_steps)
     engines = {"ar": engine("ar", Speculation()), "chain": engine("dflash", chain_spec)}
     for b in budgets:
