@@ -216,9 +216,7 @@ class AutoBudget:
         candidate, probing = self.choose()
         engine = self.engines[candidate]
         running = [g is not None for g in self.current.generators]
-        t0 = time.perf_counter()
-        self.keep_drafter_context(engine, running)
-        catch_up = time.perf_counter() - t0
+        catch_up = self.keep_drafter_context(engine, running)
         engine.adopt(self.current)
         t0 = time.perf_counter()
         new = engine.step()
@@ -229,11 +227,10 @@ class AutoBudget:
                 self.history[i] += tokens
         self.observe(candidate, engine, running, seconds)
         self.schedule.append(name(candidate))
-        self.seconds += seconds
-        self.seconds += catch_up
+        # Catching up to switch back to speculation is exploring too: it counts against PROBE_SHARE.
+        self.seconds += seconds + catch_up
         self.catch_up_seconds += catch_up
-        if probing or catch_up:  # switching back to speculation is exploring: it counts against PROBE_SHARE
-            self.probe_seconds += catch_up
+        self.probe_seconds += catch_up
         if probing:
             self.probe_rounds += 1
             self.probe_seconds += seconds
@@ -242,19 +239,22 @@ class AutoBudget:
                 self.tokens(best)
         return new
 
-    def keep_drafter_context(self, engine, running):
+    def keep_drafter_context(self, engine, running) -> float:
         """Plain decoding runs without the drafter (its round is then plain decoding's own, at its own cost); the
         drafter's context falls behind, and catches up, in one pass of the target over the tokens it missed
-        (Engine.catch_up), when a speculative round comes next."""
+        (Engine.catch_up), when a speculative round comes next. Returns the seconds the catch-up took."""
         positions = [len(h) - 1 for h in self.history]  # tokens in the caches, per request
         if engine.drafter is None and self.drafter_behind is None:
             self.drafter_behind = positions
-        elif engine.drafter is not None and self.drafter_behind is not None:
-            missed = [h[b:p] if r else [] for h, b, p, r in zip(self.history, self.drafter_behind, positions, running)]
-            pad = engine.batch - len(missed)  # rows past the requests: a dummy row each
-            engine.catch_up(missed + [[]] * pad, [p if not m else b for m, b, p in
-                                                  zip(missed, self.drafter_behind, positions)] + [0] * pad)
-            self.drafter_behind = None
+        if engine.drafter is None or self.drafter_behind is None:
+            return 0.0
+        t0 = time.perf_counter()
+        missed = [h[b:p] if r else [] for h, b, p, r in zip(self.history, self.drafter_behind, positions, running)]
+        starts = [b if m else p for m, b, p in zip(missed, self.drafter_behind, positions)]
+        pad = engine.batch - len(missed)  # rows past the requests: a dummy row each
+        engine.catch_up(missed + [[]] * pad, starts + [0] * pad)
+        self.drafter_behind = None
+        return time.perf_counter() - t0
 
     def choose(self):
         """(candidate, whether it is a probe): the best estimate, or a probe of a larger candidate that could still
@@ -314,6 +314,26 @@ class AutoBudget:
         if not within_reach:
             return None
         return within_reach[-1] if first else within_reach[0]
+
+    def curve(self) -> dict:
+        """The calibration as scripts print it: per candidate, seconds per round (None: not timed, or too slow to
+        beat plain decoding), the tokens/s it would reach accepting every draft, and whether it is viable."""
+        return {name(c): dict(round_s=self.calibrated[name(c)], viable=c in self.viable,
+                              tokens_per_s_if_all_accepted=None if self.calibrated[name(c)] is None else
+                              (1 if c == "ar" else self.block_size) / self.calibrated[name(c)])
+                for c in self.engines}
+
+    def curve_table(self) -> str:
+        """curve() as a table."""
+        lines = [f"{'candidate':>9s} {'ms/round':>9s} {'tokens/s if all accepted':>25s}  viable"]
+        for c, row in self.curve().items():
+            if row["round_s"] is None:
+                lines.append(f"{c:>9s} {'-':>9s} {'-':>25s}  no: cannot beat plain decoding (or a smaller tree "
+                             f"cannot)")
+            else:
+                lines.append(f"{c:>9s} {1e3 * row['round_s']:9.2f} {row['tokens_per_s_if_all_accepted']:25.1f}  "
+                             f"{'yes' if row['viable'] else 'no: cannot beat plain decoding'}")
+        return "\n".join(lines)
 
     def report(self) -> dict:
         """stats["auto"]: the choice, each candidate's estimates (tokens per round and tokens/s per request, round

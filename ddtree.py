@@ -253,9 +253,10 @@ class Engine:
         out = out.tolist()
         width, b = rows.shape[1], self.batch
         lengths, tokens, oks = (out[b * width + k * b: b * width + (k + 1) * b] for k in range(3))
-        tallied = out[b * width + 3 * b:]
         self.last_lengths = lengths
-        self.last_tally = [tallied[i * len(tallied) // b: (i + 1) * len(tallied) // b] for i in range(b)]
+        if tally is not None:
+            k = tally.shape[1]
+            self.last_tally = [out[b * width + 3 * b + i * k: b * width + 3 * b + (i + 1) * k] for i in range(b)]
         if not all(o for o, g in zip(oks, self.generators) if g is not None):  # the running requests' draws
             raise ValueError(NON_FINITE)
         self.token, self.position = token, self.position + length * self.live

@@ -53,16 +53,7 @@ def main(argv=None):
     print(f"{budget.device_name(target.device)}; torch {torch.__version__}, {target.dtype}, "
           f"{'compiled' if a.compile else 'eager'}, batch {a.batch}, {length} cache slots; calibrated in "
           f"{engine.calibrate_seconds:.1f} s ({seconds:.1f} s with compiling the viable candidates)")
-    print(f"{'candidate':>9s} {'round ms':>9s} {'tokens/s if all accepted':>25s}  viable")
-    ar = engine.calibrated["ar"]
-    for c in engine.engines:
-        cost = engine.calibrated[budget.name(c)]
-        tokens = 1 if c == "ar" else drafter.block_size
-        if cost is None:
-            print(f"{budget.name(c):>9s} {'-':>9s} {'-':>25s}  no: a smaller tree already cannot beat ar")
-        else:
-            print(f"{budget.name(c):>9s} {1e3 * cost:9.2f} {tokens / cost:25.1f}  "
-                  f"{'yes' if c in engine.viable else f'no: below ar {1 / ar:.1f}'}")
+    print(engine.curve_table())
     print(f"stored in {budget.cache_file()}")
 
 

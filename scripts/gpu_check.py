@@ -190,20 +190,12 @@ def auto_section(a, target, drafter, out, section, t0):
     length = ddtree.cache_length(128, 64, "ddtree", spec, drafter, budgets)
     engine = ddtree.auto_engine(target, drafter, ddtree.Sampling(), spec, length, True, False, 1, budgets)
     warm_up = engine.warm_up(recalibrate=True)
-    curve = {}
-    print(f"budget auto calibration ({engine.calibrate_seconds:.0f} s, {warm_up:.0f} s with compiling):", flush=True)
-    for c in engine.engines:
-        cost = engine.calibrated[str(c)]
-        tokens = 1 if c == "ar" else drafter.block_size
-        curve[str(c)] = dict(round_ms=None if cost is None else 1e3 * cost, viable=c in engine.viable,
-                             tokens_per_s_if_all_accepted=None if cost is None else tokens / cost)
-        print(f"  {str(c):>5s}: " + ("not timed (a smaller tree cannot beat AR)" if cost is None else
-                                     f"{1e3 * cost:8.2f} ms/round, {tokens / cost:9.1f} tok/s if all accepted, "
-                                     f"viable: {c in engine.viable}"), flush=True)
+    print(f"budget auto calibration ({engine.calibrate_seconds:.0f} s, {warm_up:.0f} s with compiling):\n"
+          f"{engine.curve_table()}", flush=True)
     prompt = torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     res = generate(target, drafter, prompt, budget="auto", max_new_tokens=64, compile=True, stop_ids=[])
     report = res.stats["auto"]
-    out["auto"] = dict(curve=curve, calibrate_seconds=engine.calibrate_seconds, warm_up_seconds=warm_up,
+    out["auto"] = dict(curve=engine.curve(), calibrate_seconds=engine.calibrate_seconds, warm_up_seconds=warm_up,
                        tokens_per_s=res.stats["tokens_per_s"], tau=res.stats["tau"], choice=report["choice"],
                        rounds_per_candidate=report["rounds_per_candidate"],
                        probe_overhead_seconds=report["probe_overhead_seconds"])
