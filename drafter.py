@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, load_weights,
+from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, load_weights, run_layer,
                    parse_device, parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq)
 
 
@@ -110,7 +110,7 @@ class DFlashDrafter(nn.Module):
         x = embed(block_tokens)
         cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, x.dtype))
         for layer in self.layers:
-            x = layer(x, cos, sin, cache_pos, block_mask)
+            x = run_layer(layer, x, cos, sin, cache_pos, block_mask)
         return lm_head(self.norm(x)).float()
 
     def draft(self, bonus, start, block_mask, denoise_steps: int = 1):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch._inductor.config  # read while tracing: frozen graphs keep their layers inlined (run_layer)
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.nn.attention.flex_attention import flex_attention
@@ -183,6 +184,28 @@ class Linear(nn.Linear):
                 torch.compiler.is_compiling():
             return (x[..., None, :] * self.weight).sum(-1)
         return F.linear(x, self.weight)
+
+
+# Layers compiled once (docs/compile.md, "Layers compiled once"). A model's layers run the same code on the same
+# shapes, but a whole-round graph traces, lowers and builds C++ kernels for each of them separately (inductor numbers
+# buffers per graph, so even identical kernels differ in their text). Under torch.compile every layer call goes
+# through one nested compile region instead: traced and built once per distinct layer (and shapes), then called per
+# layer with that layer's weights and caches as arguments. Frozen graphs (compile="max-autotune" on the CPU) keep
+# inlined layers: freezing prepacks weights that are graph constants, which a region's arguments are not.
+# False: every layer inlined.
+COMPILE_LAYERS_ONCE = True
+
+
+@torch.compiler.nested_compile_region
+def _layer_once(layer, x, cos, sin, cache_pos, mask):
+    return layer(x, cos, sin, cache_pos, mask)
+
+
+def run_layer(layer, x, cos, sin, cache_pos, mask):
+    """layer(x, ...), through the layers' one compiled region when compiling (see the switch above)."""
+    if COMPILE_LAYERS_ONCE and torch.compiler.is_compiling() and not torch._inductor.config.freezing:
+        return _layer_once(layer, x, cos, sin, cache_pos, mask)
+    return layer(x, cos, sin, cache_pos, mask)
 
 
 class Attention(nn.Module):
@@ -405,7 +428,7 @@ class Qwen3(nn.Module):
         cos, sin = (t[:, None] for t in rope_cos_sin(input_pos, self.inv_freq, x.dtype))
         outputs, last = {}, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache_pos, block_mask)
+            x = run_layer(layer, x, cos, sin, cache_pos, block_mask)
             if i in feature_layers:
                 # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
                 # read the last layer were trained on that: match it (docs/checkpoints.md, "context features").

@@ -624,3 +624,41 @@ def test_linear_one_row_fast_path_is_taken_and_matches_matmul():
             assert out.shape == (rows, 300) and out.dtype == dtype
             assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), (dtype, rows)
             assert ("extern_kernels.mm" in "".join(code)) == uses_matmul, (dtype, rows)
+
+
+def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
+    """Under torch.compile each layer call goes through one nested compile region (traced as invoke_subgraph
+    calls of a single subgraph, each layer's weights and caches passed in), with the outputs and cache writes of
+    the inlined layers; the switch off, and under freezing (whose prepacking needs the weights as constants),
+    every layer is inlined."""
+    path, _ = ckpt("gqa3")
+    m = load(path)
+    ids = token_ids(12, seed=6)
+    pos = torch.arange(12)
+    mask = PrefixMask(12, CACHE, "cpu", dense=True).set(0, causal(12))
+
+    def regions(**patch):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        zero_cache(m)
+        with torch.no_grad(), torch._inductor.config.patch(patch):
+            logits, _ = torch.compile(m, backend=backend, fullgraph=True, dynamic=False)(ids, pos, pos, mask)
+        calls = [n for gm in graphs for n in gm.graph.nodes
+                 if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+        return logits, [c.args[0].target for c in calls], [c.clone() for c in m.kv_caches()]
+
+    zero_cache(m)
+    ref, _ = ours_causal(m, ids)
+    ref_caches = [c.clone() for c in m.kv_caches()]
+    logits, bodies, caches = regions()
+    assert len(bodies) == len(m.layers) >= 2 and len(set(bodies)) == 1
+    assert max_diff(logits, ref) < 1e-5 and all(max_diff(a, b) < 1e-5 for a, b in zip(caches, ref_caches))
+    assert regions(freezing=True)[1] == []
+    monkeypatch.setattr(model_mod, "COMPILE_LAYERS_ONCE", False)
+    logits, bodies, _ = regions()
+    assert bodies == [] and max_diff(logits, ref) < 1e-5
