@@ -367,8 +367,9 @@ class Engine:
         prompt, where nothing reads them before they are overwritten). Returns each request's first new token
         (from its last prompt row) and whether it was sound. The target's draw uses one noise row per request,
         drawn once (draw=False: a catch-up, whose token is not used, draws nothing)."""
+        starts = starts or [0] * self.batch
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        offsets = torch.tensor(starts or [0] * self.batch, device=self.device)
+        offsets = torch.tensor(starts, device=self.device)
         chunk = PREFILL_CHUNK
         if self.prefill_mask.dense:  # eager, the mask materialized: no graph to keep fixed, so only the rows needed
             chunk = min(PREFILL_CHUNK, round_up(max(map(len, prompts)), 8))
@@ -385,7 +386,9 @@ class Engine:
         ok = torch.ones(self.batch, dtype=torch.bool, device=self.device)
         for k, start in enumerate(range(0, chunks.shape[0] * chunk, chunk)):
             row = (last - start).clamp(0, chunk - 1)[:, None]
-            t, o = self.prefill_step(chunks[k], offsets + start, row, noise)  # [N] starts: see PrefixMask.set
+            # [N] starts: see PrefixMask.set. A materialized mask covers the slots the chunk can see, known here.
+            slots = self.prefill_mask.visible_slots(max(starts) + start) if self.prefill_mask.dense else None
+            t, o = self.prefill_step(chunks[k], offsets + start, row, noise, slots)
             here = (last >= start) & (last < start + chunk)  # the chunk that holds the request's last row
             token, ok = torch.where(here, t[:, 0], token), torch.where(here, o, ok)
         return token, ok
@@ -397,12 +400,12 @@ class Engine:
         rounding; nothing is drawn from the requests' generators."""
         self.prefill([t or [0] for t in tokens], starts, draw=False)
 
-    def _prefill_step(self, tokens, start, last_row, noise):
-        """A chunk of prompt rows of every request at positions start.. (PREFILL_CHUNK rows; fewer in an eager
-        engine with a materialized mask, which takes the mask's first rows). Returns the token after each
-        request's `last_row` [N, 1]."""
+    def _prefill_step(self, tokens, start, last_row, noise, slots=None):
+        """A chunk of prompt rows of every request at positions start.. (PREFILL_CHUNK rows; fewer with a
+        materialized mask, which takes the mask's first rows and covers `slots` KV slots). Returns the token after
+        each request's `last_row` [N, 1]."""
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        mask = self.prefill_mask.set(start)
+        mask = self.prefill_mask.set(start, slots=slots)
         if self.prefill_mask.dense:
             mask = mask[:, :, :tokens.shape[1]]
         logits, features = self.target(tokens, positions, positions, mask, logits_rows=last_row,
@@ -469,10 +472,16 @@ class Engine:
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
         # - the attention: eager CPU engines materialize the mask for SDPA (eager FlexAttention on the CPU runs a
         #   vmapped math fallback); compiled and CUDA engines run FlexAttention.
+        # - the prefill: compiled on CUDA; eager on the CPU, where its chunks are large matmuls that MKL runs as well
+        #   as a graph does, while its graph would take a third of the first call's compile (docs/compile.md,
+        #   "Eager prefill on CPU").
         self.build_tree = build_tree if compile else build_tree_heap
-        dense = not compile and self.device.type == "cpu" and EAGER_CPU_ATTENTION == "sdpa"
+        cpu_sdpa = self.device.type == "cpu" and EAGER_CPU_ATTENTION == "sdpa"
+        dense = not compile and cpu_sdpa
+        self.compile_prefill = bool(compile) and self.device.type != "cpu"
         target.setup_cache(max_seq_len, batch)
-        self.prefill_mask = PrefixMask(PREFILL_CHUNK, max_seq_len, self.device, dense, batch)
+        self.prefill_mask = PrefixMask(PREFILL_CHUNK, max_seq_len, self.device,
+                                       cpu_sdpa and not self.compile_prefill, batch)
         self.prefill_mask.allow.copy_(causal(PREFILL_CHUNK))
         self.decode_mask = PrefixMask(1, max_seq_len, self.device, dense, batch)
         self.decode_mask.allow.fill_(True)
@@ -494,13 +503,13 @@ class Engine:
             # graphs (which read the models and masks through `self` at each call); frozen graphs are per engine.
             # Room for a few engines (settings, budgets) before dynamo falls back to eager.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            steps = (self.prefill_step, self.round)
             if compile == "max-autotune" and self.device.type == "cpu":
-                self.prefill_step, self.round = (compile_frozen(f) for f in steps)
+                self.round = compile_frozen(self.round)
             else:  # CUDA graphs where available ("max-autotune" includes them)
                 mode = None if self.device.type == "cpu" else ("reduce-overhead" if compile is True else compile)
-                self.prefill_step, self.round = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
-                                                 for f in steps)
+                self.round = torch.compile(self.round, dynamic=False, fullgraph=True, mode=mode)
+                if self.compile_prefill:
+                    self.prefill_step = torch.compile(self.prefill_step, dynamic=False, fullgraph=True, mode=mode)
 
     def adopt(self, other: "Engine"):
         """Take over `other`'s requests between two steps (budget auto switches engines): the models' caches are

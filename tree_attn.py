@@ -66,12 +66,13 @@ class PrefixMask:
             self.kv_num_blocks, kv_indices, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
             seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
-    def set(self, prefix, allow: torch.Tensor | None = None):
+    def set(self, prefix, allow: torch.Tensor | None = None, slots: int | None = None):
         """Point the mask at new prefix lengths (one per request [N], or an int for all) and, optionally, new allow
         matrices ([q_len, q_len] for every request, or [N, q_len, q_len]). Compiled code passes both per request
         ([N] and [N, q_len, q_len]): compiled CPU FlexAttention (torch 2.13) fails to lower a mask whose tensors
         the graph broadcasts from fewer dimensions (NoValidChoicesError), as it fails on an allow matrix still
-        inlined as elementwise ops."""
+        inlined as elementwise ops. With dense=True, `slots` (visible_slots of the longest prefix, when the
+        caller knows it) saves reading it from the device."""
         self.prefix.copy_(torch.as_tensor(prefix, dtype=torch.int64))
         if allow is not None:
             # Inside a compiled graph the mask_mod reads `allow` itself, not the buffer. as_strided makes inductor
@@ -82,7 +83,11 @@ class PrefixMask:
         blocks = (self.prefix + self.q_len + BLOCK - 1) // BLOCK
         self.kv_num_blocks.copy_(blocks.clamp(max=self.kv_len // BLOCK).to(torch.int32)[:, None, None]
                                  .expand_as(self.kv_num_blocks))
-        return dense_mask(self.block_mask) if self.dense else self.block_mask
+        return dense_mask(self.block_mask, slots) if self.dense else self.block_mask
+
+    def visible_slots(self, prefix: int) -> int:
+        """The KV slots that the blocks visited at this prefix length cover (what dense_mask covers by default)."""
+        return min(self.kv_len, round_up(prefix + self.q_len))
 
 
 def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor:

@@ -154,15 +154,17 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
 
 def test_engine_decides_tree_builder_and_attention_once(models):
     """Eager engines build trees with the paper's heap and hand SDPA the materialized mask (on the CPU); compiled
-    engines use the tensor builder and FlexAttention: chosen in the constructor, the same for every call."""
+    engines use the tensor builder and FlexAttention, and on the CPU prefill eagerly (SDPA, the mask
+    materialized): chosen in the constructor, the same for every call."""
     from draft_tree import build_tree, build_tree_heap
     from sampler import Sampling
     target, drafters = models
     for compile, builder, dense in ((False, build_tree_heap, True), (True, build_tree, False)):
         engine = Engine(target, drafters[5], "ddtree", Sampling(), Speculation(budget=4), 1024, compile)
-        masks = (engine.prefill_mask, engine.decode_mask, engine.draft_mask, engine.verify_mask)
+        masks = (engine.decode_mask, engine.draft_mask, engine.verify_mask)
         assert engine.build_tree is builder and all(m.dense == dense for m in masks)
         assert isinstance(engine.verify_mask.set(3), torch.Tensor) == dense
+        assert engine.prefill_mask.dense and engine.prefill_step == engine._prefill_step and not engine.compile_prefill
 
 
 def test_compiled_sampling_equals_eager_without_recompiles(models):
