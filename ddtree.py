@@ -17,12 +17,14 @@ docs/round.md walks through one round with a picture of its tree and mask.
 """
 
 import argparse
+import functools
 import json
 import numbers
 import os
 import reprlib
 import secrets
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -503,6 +505,8 @@ class Engine:
             # graphs (which read the models and masks through `self` at each call); frozen graphs are per engine.
             # Room for a few engines (settings, budgets) before dynamo falls back to eager.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            if self.device.type == "cpu":
+                start_cpu_isa_probe()
             if compile == "max-autotune" and self.device.type == "cpu":
                 self.round = compile_frozen(self.round)
             else:  # CUDA graphs where available ("max-autotune" includes them)
@@ -528,6 +532,16 @@ class Engine:
         self.step()
         self.warm = True
         return time.perf_counter() - t0
+
+
+@functools.cache
+def start_cpu_isa_probe():
+    """Start inductor's probe of the CPU's vector ISAs in a thread, once per process. Inductor's first CPU kernel
+    waits for it: per ISA, a test compile and a child Python that loads it (torch 2.13: about 9 s on a fresh
+    inductor cache, 1.2 s on a warm one, on this 2-core machine). The probe runs in subprocesses, so here it
+    overlaps dynamo's tracing of the round instead of following it (docs/compile.md, "ISA probe")."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa  # cached: the compile reads the same answer
+    threading.Thread(target=pick_vec_isa, name="cpu-isa-probe", daemon=True).start()
 
 
 def compile_frozen(step):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import ddtree
 from conftest import compiled_equals_eager
 from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter, default_target_layer_ids
@@ -159,12 +160,14 @@ def test_engine_decides_tree_builder_and_attention_once(models):
     from draft_tree import build_tree, build_tree_heap
     from sampler import Sampling
     target, drafters = models
+    ddtree.start_cpu_isa_probe.cache_clear()
     for compile, builder, dense in ((False, build_tree_heap, True), (True, build_tree, False)):
         engine = Engine(target, drafters[5], "ddtree", Sampling(), Speculation(budget=4), 1024, compile)
         masks = (engine.decode_mask, engine.draft_mask, engine.verify_mask)
         assert engine.build_tree is builder and all(m.dense == dense for m in masks)
         assert isinstance(engine.verify_mask.set(3), torch.Tensor) == dense
         assert engine.prefill_mask.dense and engine.prefill_step == engine._prefill_step and not engine.compile_prefill
+        assert ddtree.start_cpu_isa_probe.cache_info().currsize == int(bool(compile))  # started by compiled engines
 
 
 def test_compiled_sampling_equals_eager_without_recompiles(models):
