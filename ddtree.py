@@ -383,7 +383,7 @@ class Engine:
                 chunks[k // chunk, i, :len(p[k:k + chunk])] = torch.tensor(p[k:k + chunk])
         chunks, last = chunks.to(self.device), lengths - 1
         noise = self.noise(1) if draw or self.sampling.greedy else \
-            torch.ones(self.batch, 1, self.target.config.vocab_size, device=self.device)
+            torch.ones(self.batch, 1, dtype=torch.float64, device=self.device)
         token = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         ok = torch.ones(self.batch, dtype=torch.bool, device=self.device)
         for k, start in enumerate(range(0, chunks.shape[0] * chunk, chunk)):
@@ -439,25 +439,24 @@ class Engine:
                      for k in range(len(example)))
 
     def noise(self, rows: int):
-        """Exponential noise [N, rows, V] for the target's draws (None when greedy)."""
+        """One uniform per target draw [N, rows] (sampler.sample; None when greedy)."""
         if self.sampling.greedy:
             return None
-        return self.draws(lambda g: (draw_noise((rows, self.target.config.vocab_size), g, self.device),))[0]
+        return self.draws(lambda g: (draw_noise((rows,), g, self.device),))[0]
 
     def randomness(self) -> tuple:
-        """The round's random inputs; each request draws from its own generator, in a fixed order: Exponential
-        noise per verified row (the target's draws), then, for a sampled chain, the accept uniforms and the drafts'
-        noise. Drawn request by request, so request i's stream is its lone run's."""
+        """The round's random inputs; each request draws from its own generator, in a fixed order: one uniform
+        per verified row (the target's draws), then, for a sampled chain, the accept uniforms and the drafts'
+        uniforms. Drawn request by request, so request i's stream is its lone run's."""
         if self.method == "ar":
             return (self.noise(1),)
         if self.sampling.greedy:
             return None, None, None
         if not self.spec.draft_sampling:
             return self.noise(self.nodes + 1), None, None
-        V = self.target.config.vocab_size
-        return self.draws(lambda g: (draw_noise((self.nodes + 1, V), g, self.device),
+        return self.draws(lambda g: (draw_noise((self.nodes + 1,), g, self.device),
                                      torch.rand(self.depth, generator=g, device=self.device),
-                                     draw_noise((self.depth, V), g, self.device)))
+                                     draw_noise((self.depth,), g, self.device)))
 
     # -- construction -------------------------------------------------------------------------------------------
 

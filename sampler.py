@@ -6,7 +6,7 @@ values. Branching on the `Sampling` fields is fine: they are Python constants, b
 Shapes: warping and sampling act on the last dim of [..., V]; the verifiers take an optional leading batch dim
 N (independent requests, one graph), each row equal to the unbatched call on it.
 
-All randomness comes in as explicit tensors (Exponential(1) noise for categorical draws, uniforms for accept
+All randomness comes in as explicit tensors (one float64 uniform per categorical draw, uniforms for accept
 tests) drawn outside compiled code from a seeded torch.Generator, so that compiled code, eager code and the
 plain-Python reference verifiers in tests/test_sampler.py can be fed identical randomness and compared exactly.
 
@@ -76,12 +76,15 @@ def warp_logits(logits: Tensor, s: Sampling) -> Tensor:
         return torch.full_like(x, NEG).scatter(-1, best, x.gather(-1, best))
     x = tempered(x, s.temperature)
     V = x.shape[-1]
-    if 0 < s.top_k < V:
+    top_k = 0 < s.top_k < V
+    if top_k:
         # keep everything >= the k-th largest: ties at the threshold stay (same as HF TopKLogitsWarper)
-        kth = x.topk(s.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, NEG)
+        top = x.topk(s.top_k, dim=-1)
+        x = x.masked_fill(x < top.values[..., -1:], NEG)
     if s.top_p < 1:
-        x = x.masked_fill(_mass_above(x.softmax(-1)) >= s.top_p, NEG)
+        probs = x.softmax(-1)
+        above = _mass_above_top(probs, top.indices) if top_k else _mass_above(probs)
+        x = x.masked_fill(above >= s.top_p, NEG)
     if s.min_p > 0:
         probs = x.softmax(-1)  # renormalized over what the earlier filters kept
         x = x.masked_fill(probs < s.min_p * probs.amax(-1, keepdim=True), NEG)
@@ -108,13 +111,28 @@ def _mass_above(probs: Tensor) -> Tensor:
     the filter does not depend on how the sort orders ties (HF's does; it is the only place the two differ).
     """
     sp, order = probs.sort(-1, descending=True)
+    return torch.empty_like(probs).scatter(-1, order, _sums_above_sorted(sp))
+
+
+def _mass_above_top(probs: Tensor, top: Tensor) -> Tensor:
+    """_mass_above after a top-k filter, from the k kept positions `top` (the logits' topk indices, so their
+    probabilities are in non-increasing order) instead of a sort of the whole row: every other token is either
+    filtered (probability 0, already -inf) or tied with the k-th, and a tie shares the k-th's run and its mass
+    above. Sorting k numbers instead of V matters at real vocabularies (151936 for Qwen3, for every verify row)."""
+    sp = probs.gather(-1, top)
+    above = _sums_above_sorted(sp)
+    tied = torch.where(probs == sp[..., -1:], above[..., -1:], torch.full_like(probs, math.inf))
+    return tied.scatter(-1, top, above)
+
+
+def _sums_above_sorted(sp: Tensor) -> Tensor:
+    """For probabilities sorted in non-increasing order, the mass of the entries strictly greater than each."""
     before = torch.cat([torch.zeros_like(sp[..., :1]), sp.cumsum(-1)[..., :-1]], -1)  # exclusive prefix sums
     # Inside a tied run use the value at the run's first element: prefix sums never decrease, so a running max
     # over "value at run starts, 0 elsewhere" carries the run start's value along the run.
     start = torch.ones_like(sp, dtype=torch.bool)
     start[..., 1:] = sp[..., 1:] != sp[..., :-1]
-    before = torch.where(start, before, torch.zeros_like(before)).cummax(-1).values
-    return torch.empty_like(before).scatter(-1, order, before)
+    return torch.where(start, before, torch.zeros_like(before)).cummax(-1).values
 
 
 def warp_probs(logits: Tensor, s: Sampling) -> Tensor:
@@ -126,19 +144,27 @@ def warp_probs(logits: Tensor, s: Sampling) -> Tensor:
 
 
 def draw_noise(shape, generator: torch.Generator, device) -> Tensor:
-    """Exponential(1) noise for `sample`, float32. Call outside compiled code; the generator's device = device."""
-    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
+    """Uniform[0, 1) float64 numbers for `sample`: one per categorical draw (shape = the draws' shape, without the
+    vocabulary), so a draw costs one random number whatever V is. Call outside compiled code; the generator's
+    device = device."""
+    return torch.rand(shape, dtype=torch.float64, generator=generator, device=device)
 
 
 def sample(probs: Tensor, noise: Tensor) -> Tensor:
-    """Categorical draw over the last dim without a host sync: the exponential race argmax(probs / E).
+    """Categorical draw over the last dim without a host sync, by inversion: one uniform u per row.
 
-    P(argmax = i) = probs_i / sum(probs) exactly, for E_i ~ Exponential(1) iid, so `probs` need not be normalized.
-    Zero-probability tokens are masked out explicitly: 0 / 0 (noise can be exactly 0) is NaN, and argmax would
-    pick it. Needs at least one positive entry per row.
+    With C the cumulative sums of probs in float64, token i is drawn iff C[i-1] <= u * C[-1] < C[i]: an interval
+    of width probs_i, so P(i) = probs_i / sum(probs) and `probs` need not be normalized. A zero-probability token
+    has an empty interval and is never drawn; the threshold is kept strictly below C[-1] (u * C[-1] rounds up to it
+    only for u within 2^-53 of 1), so the draw is always a token of positive probability. Float32 probabilities are
+    exact in float64 and each partial sum rounds by at most 2^-53 of the total, so every token's probability is off
+    by about 1e-16 (u itself is a multiple of 2^-53). Needs at least one positive entry per row.
+    noise: [...] for probs [..., V].
     """
-    score = torch.where(probs > 0, probs / noise, torch.full_like(probs, -1.0))
-    return score.argmax(-1)
+    cdf = probs.double().cumsum(-1)
+    total = cdf[..., -1:]
+    threshold = torch.minimum(noise.double().unsqueeze(-1) * total, total * (1 - 2.0 ** -52))
+    return (cdf <= threshold).sum(-1)
 
 
 # ------------------------------------------------------------------------------------------- verification
@@ -148,7 +174,8 @@ def verify_chain_sampled(p: Tensor, q: Tensor, drafts: Tensor, accept_u: Tensor,
     """Speculative sampling (rejection + residual) on a chain of L sampled drafts.
 
     p: [L+1, V] warped target probs (row i: after i drafts; row L gives the bonus token), q: [L, V] warped
-    draft probs, drafts: [L] long with drafts[i] ~ q[i], accept_u: [L] Uniform[0, 1), noise: [L+1, V] Exp(1).
+    draft probs, drafts: [L] long with drafts[i] ~ q[i], accept_u: [L] Uniform[0, 1), noise: [L+1] Uniform[0, 1)
+    (`sample`'s, one per position).
     Returns (n_accepted, next_token), both 0-d long: drafts[:n_accepted] are accepted and next_token follows.
     A leading batch dim N on every input verifies N independent chains: both outputs are then [N], and row n
     equals the unbatched call on row n.

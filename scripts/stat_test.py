@@ -31,7 +31,7 @@ Controls (`--control`; `auto` picks by method):
                 parent's row) equals the node's token
   unwarped      tree walk: the target's tokens in a speculative round are sampled from softmax(logits / T),
                 without top-k / top-p / min-p (the prefill's first token stays right)
-  shared_noise  every row of a round uses the same Exponential noise row (correlated draws across rows)
+  shared_noise  every draw of a round uses the same uniform (correlated draws across rows)
   none          no control
 """
 
@@ -301,9 +301,9 @@ def _pick_unwarped(self, logits, noise):
 
 
 def _draw_noise_shared(shape, generator, device):
-    """sampler.draw_noise with the bug: one Exponential row broadcast to every row."""
-    row = torch.empty(shape[-1], dtype=torch.float32, device=device).exponential_(generator=generator)
-    return row.expand(shape).contiguous()
+    """sampler.draw_noise with the bug: one uniform for every draw of the call."""
+    u = torch.rand(1, dtype=torch.float64, generator=generator, device=device)
+    return u.expand(shape).contiguous()
 
 
 def auto_control(method: str, draft_sampling: bool) -> str:

@@ -12,6 +12,7 @@
 The references live here, not in sampler.py: the engine never needs them.
 """
 
+import itertools
 import math
 import random
 import sys
@@ -26,6 +27,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import sampler  # noqa: E402
 from sampler import Sampling, draw_noise, sample, verify_chain_sampled, walk_tree, warp_logits, warp_probs  # noqa: E402
 
 torch.set_num_threads(1)
@@ -82,10 +84,11 @@ def exact_law(run) -> dict:
 
 
 class Replay:
-    """Hands a reference the randomness the vectorized code consumed: accept_u[key] and the Exp(1) row noise[key].
+    """Hands a reference the randomness the vectorized code consumed: accept_u[key] and the uniform noise[key].
 
     bernoulli: u * den < num on float32 values in Python floats (float64), where the product is exact, as in
-    verify_chain_sampled. categorical: the same exponential race, on the same float32 weights."""
+    verify_chain_sampled. categorical: inversion written out in Python floats (float64) on the same float32
+    weights: the first token whose running sum exceeds u * total, the threshold kept below the total."""
 
     def __init__(self, accept_u=None, noise=None):
         self.u = None if accept_u is None else accept_u.tolist()
@@ -95,7 +98,9 @@ class Replay:
         return self.u[key] * den < num
 
     def categorical(self, weights, key):
-        return int(sample(torch.tensor(weights, dtype=torch.float32), self.noise[key]))
+        running = list(itertools.accumulate(float(np.float32(w)) for w in weights))
+        threshold = min(float(self.noise[key]) * running[-1], running[-1] * (1 - 2.0 ** -52))
+        return next(i for i, c in enumerate(running) if c > threshold)
 
 
 # ------------------------------------------------------------------------------------------ reference rules
@@ -307,14 +312,14 @@ def test_article_worked_example():
     # the vectorized verifier: accept iff u < 5/7 = 0.71428...
     P = torch.tensor([[float(x) for x in p], [0.2] * 5])
     Q = torch.tensor([[float(x) for x in q]])
-    noise = draw_noise((2, 5), torch.Generator().manual_seed(0), "cpu")
+    noise = draw_noise((2,), torch.Generator().manual_seed(0), "cpu")
     for u, n_expected in [(0.7142, 1), (0.7144, 0), (0.0, 1), (0.99, 0)]:
         n, _ = verify_chain_sampled(P, Q, torch.tensor([0]), torch.tensor([u]), noise)
         assert int(n) == n_expected
     seen = set()
     g = torch.Generator().manual_seed(1)
     for _ in range(200):
-        n, t = verify_chain_sampled(P, Q, torch.tensor([0]), torch.tensor([0.9]), draw_noise((2, 5), g, "cpu"))
+        n, t = verify_chain_sampled(P, Q, torch.tensor([0]), torch.tensor([0.9]), draw_noise((2,), g, "cpu"))
         seen.add(int(t))
     assert seen == {1, 2}
 
@@ -383,14 +388,14 @@ def test_verify_chain_sampled_equals_reference():
         s = random_sampling(rnd)
         p = warp_probs(3 * torch.randn(L + 1, V, generator=g), s)
         q = p[:L].clone() if case % 7 == 0 else warp_probs(3 * torch.randn(L, V, generator=g), s)
-        drafts = sample(q, draw_noise((L, V), g, "cpu"))
+        drafts = sample(q, draw_noise((L,), g, "cpu"))
         if case % 5 == 0:  # arbitrary drafts, q(x) = 0 possible
             drafts = torch.randint(0, V, (L,), generator=g)
         accept_u = torch.rand(L, generator=g)
         if case % 3 == 0:  # push the accept test onto its boundary: u = p/q rounded
             ratio = (p[:L].gather(-1, drafts[:, None]) / q.gather(-1, drafts[:, None])).squeeze(-1)
             accept_u = torch.where(ratio < 1, ratio, accept_u)
-        noise = draw_noise((L + 1, V), g, "cpu")
+        noise = draw_noise((L + 1,), g, "cpu")
         n, t = verify_chain_sampled(p, q, drafts, accept_u, noise)
         assert n.dtype == t.dtype == torch.long and n.shape == t.shape == ()
         ref = ref_verify_chain_sampled(p.tolist(), q.tolist(), drafts.tolist(), Replay(accept_u, noise))
@@ -409,7 +414,7 @@ def test_walk_tree_equals_reference():
             parents, tokens, depth = random_tree(rnd, V, B, n_pad=rnd.randint(0, 3))
         rows = len(parents) + 1
         p = warp_probs(2 * torch.randn(rows, V, generator=g), random_sampling(rnd))
-        noise = draw_noise((rows, V), g, "cpu")
+        noise = draw_noise((rows,), g, "cpu")
         if case % 2:
             target_ref = ref_sample_target(p.tolist(), Replay(noise=noise))
             target = sample(p, noise)
@@ -446,13 +451,13 @@ def test_verify_chain_sampled_batched_equals_each_row():
         p = warp_probs(3 * torch.randn(N, L + 1, V, generator=g), s)
         q = warp_probs(3 * torch.randn(N, L, V, generator=g), s)
         q[0] = p[0, :L]  # q = p: every draft accepted, and a residual of zeros
-        drafts = sample(q, draw_noise((N, L, V), g, "cpu"))
+        drafts = sample(q, draw_noise((N, L), g, "cpu"))
         drafts[-1] = torch.randint(0, V, (L,), generator=g)  # arbitrary drafts, q(x) = 0 possible
         accept_u = torch.rand(N, L, generator=g)
         ratio = (p[:, :L].gather(-1, drafts[..., None]) / q.gather(-1, drafts[..., None])).squeeze(-1)
         on_boundary = (ratio < 1) & (torch.rand(N, L, generator=g) < 0.3)  # u = p/q rounded
         accept_u = torch.where(on_boundary, ratio, accept_u)
-        noise = draw_noise((N, L + 1, V), g, "cpu")
+        noise = draw_noise((N, L + 1), g, "cpu")
         n, t = verify_chain_sampled(p, q, drafts, accept_u, noise)
         assert n.dtype == t.dtype == torch.long and n.shape == t.shape == (N,)
         for i in range(N):
@@ -534,7 +539,7 @@ def test_samples_stay_in_warped_support(case, seed):
     logits, s = case
     ref, margin = ref_warp_probs(logits.tolist(), s)
     wl = warp_logits(logits, s)
-    noise = draw_noise((64, logits.shape[0]), torch.Generator().manual_seed(seed), "cpu")
+    noise = draw_noise((64,), torch.Generator().manual_seed(seed), "cpu")
     tok = sample(warp_probs(logits, s).expand(64, -1), noise)
     assert torch.isfinite(wl[tok]).all()
     if margin > 1e-5:
@@ -569,8 +574,8 @@ def test_warp_and_sample_are_vectorized_over_leading_dims():
         batched = warp_probs(logits, s)
         rows = torch.stack([warp_probs(r, s) for r in logits.reshape(-1, 11)]).reshape(2, 3, 11)
         assert torch.equal(batched, rows)
-        noise = draw_noise((2, 3, 11), g, "cpu")
-        drawn = torch.stack([sample(r, e) for r, e in zip(rows.reshape(-1, 11), noise.reshape(-1, 11))])
+        noise = draw_noise((2, 3), g, "cpu")
+        drawn = torch.stack([sample(r, e) for r, e in zip(rows.reshape(-1, 11), noise.reshape(-1))])
         assert torch.equal(sample(batched, noise), drawn.reshape(2, 3))
 
 
@@ -595,6 +600,23 @@ def test_warp_hand_computed_cases():
     assert support([-math.inf, 1.0, -math.inf], Sampling(1.0, 3, 0.2, 0.9)) == [0, 1, 0]
 
 
+def test_top_p_after_top_k_equals_the_full_sort():
+    # _mass_above_top reads the k kept positions instead of sorting the row: the same masses wherever a token is
+    # kept by top-k (ties at the k-th included), on rows with many ties and with fewer finite logits than k
+    g = torch.Generator().manual_seed(3)
+    for case in range(300):
+        V = 1 + case % 13
+        k = 1 + (case // 13) % V
+        logits = torch.randint(-3, 3, (4, V), generator=g).float() if case % 2 else 2 * torch.randn(4, V, generator=g)
+        logits[0, : V // 2] = -math.inf
+        logits[0, -1] = 0.0  # one finite logit at least
+        top = logits.topk(k, dim=-1)
+        probs = logits.masked_fill(logits < top.values[..., -1:], -math.inf).softmax(-1)
+        kept = probs > 0
+        fast = sampler._mass_above_top(probs, top.indices)
+        assert torch.equal(fast[kept], sampler._mass_above(probs)[kept]), case
+
+
 def test_top_p_keeps_tied_group_together():
     # three equal tokens, top_p = 0.5: the mass above each is 0, so all stay (HF would drop one by sort order)
     assert (warp_probs(torch.tensor([0.0, 0.0, 0.0, -5.0]), Sampling(1.0, top_p=0.5))[:3] > 0).all()
@@ -605,30 +627,44 @@ def test_top_p_keeps_tied_group_together():
 # ============================================================================================ sampling
 
 
-def test_exponential_race_chi_square():
+def test_inversion_chi_square():
     stats = pytest.importorskip("scipy.stats")
     probs = torch.tensor([0.1, 0.25, 0.05, 0.35, 0.25])
-    noise = draw_noise((20000, 5), torch.Generator().manual_seed(0), "cpu")
+    noise = draw_noise((20000,), torch.Generator().manual_seed(0), "cpu")
 
     def p_value(tokens):
         return stats.chisquare(torch.bincount(tokens, minlength=5).numpy(), 20000 * probs.numpy()).pvalue
 
     assert p_value(sample(probs.expand(20000, -1), noise)) > 1e-6
     assert p_value(sample(3 * probs.expand(20000, -1), noise)) > 1e-6  # unnormalized weights are fine
-    # negative control: the same race with a wrong transform of the noise must fail
-    assert p_value((probs / noise.sqrt()).argmax(-1)) < 1e-6
+    # negative control: inversion with a wrong transform of the uniforms must fail
+    assert p_value(sample(probs.expand(20000, -1), noise.sqrt())) < 1e-6
 
 
 def test_sample_never_picks_zero_probability():
-    probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]])
-    noise = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 2.0]])  # zero noise: 0/0 would be NaN
-    assert sample(probs, noise).tolist() == [1, 0]
+    # u = 0 lands on the first positive token, u = 1 (drawn never, but the padding rows' value) and the largest
+    # float64 below 1 on the last positive one: never a leading or trailing zero
+    probs = [[0.0, 1.0, 0.0], [0.0, 0.3, 0.0, 0.7, 0.0], [0.1, 0.2, 0.3, 0.4, 0.0]]
+    for u, want in [(0.0, [1, 1, 0]), (1.0, [1, 3, 3]), (1 - 2.0 ** -53, [1, 3, 3])]:
+        got = [int(sample(torch.tensor(row), torch.tensor(u, dtype=torch.float64))) for row in probs]
+        assert got == want, u
+    # u = 1 on unnormalized weights with a tiny last positive entry: the threshold stays below the total
+    weights = torch.tensor([3.0, 2.0 ** -30, 0.0])
+    assert int(sample(weights, torch.tensor(1.0, dtype=torch.float64))) == 1
+
+
+def test_sample_interval_widths_are_the_probabilities():
+    # inversion over the float64 running sums: a token's share of a fine grid of uniforms is its probability
+    probs = torch.tensor([0.5, 0.0, 1e-3, 0.25, 0.0, 0.249])
+    grid = (torch.arange(200000, dtype=torch.float64) + 0.5) / 200000
+    counts = torch.bincount(sample(probs.expand(len(grid), -1), grid), minlength=6).double() / len(grid)
+    torch.testing.assert_close(counts, probs.double() / probs.double().sum(), atol=1e-5, rtol=0)
 
 
 def test_draw_noise_is_seeded():
     a = draw_noise((4, 3), torch.Generator().manual_seed(7), "cpu")
     b = draw_noise((4, 3), torch.Generator().manual_seed(7), "cpu")
-    assert torch.equal(a, b) and a.dtype == torch.float32 and (a >= 0).all()
+    assert torch.equal(a, b) and a.dtype == torch.float64 and ((a >= 0) & (a < 1)).all()
 
 
 # ========================================================================================== validation
