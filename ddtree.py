@@ -367,7 +367,7 @@ class Engine:
         """Fill the caches with the prompts in fixed chunks, all requests side by side, request i's from position
         starts[i] (default 0) on (a shorter prompt's rows past its end are padding: their K/V land beyond the
         prompt, where nothing reads them before they are overwritten). Returns each request's first new token
-        (from its last prompt row) and whether it was sound. The target's draw uses one noise row per request,
+        (from its last prompt row) and whether it was sound. The target's draw uses one uniform per request,
         drawn once (draw=False: a catch-up, whose token is not used, draws nothing)."""
         starts = starts or [0] * self.batch
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)

@@ -4,7 +4,7 @@
        rng.bernoulli(num, den, key) -> True with probability min(1, num / den)   (num / 0 = inf if num > 0, else 0)
        rng.categorical(weights, key) -> i with probability weights[i] / sum(weights)
    `key` names the independent draw (the chain position, the tree row) so that a replaying RNG can hand the
-   reference the same uniform / noise row the vectorized code used; the enumerating RNG ignores it.
+   reference the same uniforms the vectorized code used; the enumerating RNG ignores it.
    `Enumerator` runs a reference once per branch with exact Fractions and gives its exact output law, which must
    equal the target's law.
 2. The vectorized verifiers in sampler.py equal the references exactly given the same randomness (`Replay`).
