@@ -156,9 +156,9 @@ def sample(probs: Tensor, noise: Tensor) -> Tensor:
     With C the cumulative sums of probs in float64, token i is drawn iff C[i-1] <= u * C[-1] < C[i]: an interval
     of width probs_i, so P(i) = probs_i / sum(probs) and `probs` need not be normalized. A zero-probability token
     has an empty interval and is never drawn; the threshold is kept strictly below C[-1] (u * C[-1] reaches it
-    only at u = 1, the value padding rows get), so the draw is always a token of positive probability. Float32 probabilities are
-    exact in float64 and each partial sum rounds by at most 2^-53 of the total, so every token's probability is off
-    by about 1e-16 (u itself is a multiple of 2^-53). Needs at least one positive entry per row.
+    only at u = 1, the value padding rows get), so the draw is always a token of positive probability. Float32
+    probabilities are exact in float64 and each partial sum rounds by at most 2^-53 of the total, so every token's
+    probability is off by about 1e-16 (u itself is a multiple of 2^-53). Needs at least one positive entry per row.
     noise: [...] for probs [..., V].
     """
     cdf = probs.double().cumsum(-1)
