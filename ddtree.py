@@ -34,7 +34,7 @@ import torch
 from budget import AUTO_BUDGETS, AutoBudget
 from draft_tree import accepted_within, ancestor_matrix, build_tree, build_tree_heap, chain_accepted, format_tree
 from drafter import DFlashDrafter
-from model import Qwen3
+from model import Qwen3, prepack_linears
 from sampler import Sampling, draw_noise, sample, tempered, verify_chain_sampled, walk_tree, warp_probs
 from text import Streamer, Text
 from tree_attn import PrefixMask, causal, compact_kv, round_up
@@ -507,6 +507,9 @@ class Engine:
             if self.device.type == "cpu":
                 start_cpu_isa_probe()
             if compile == "max-autotune" and self.device.type == "cpu":
+                for model in (target, drafter):
+                    if model is not None:
+                        prepack_linears(model)
                 self.round = compile_frozen(self.round)
             else:  # CUDA graphs where available ("max-autotune" includes them)
                 mode = None if self.device.type == "cpu" else ("reduce-overhead" if compile is True else compile)

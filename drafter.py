@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import (Block, Qwen3Config, RMSNorm, allocate_kv_caches, load_weights, run_layer,
+from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, load_weights, run_layer,
                    parse_device, parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq)
 
 
@@ -66,7 +66,7 @@ class DFlashDrafter(nn.Module):
         self.config = config
         c = config.model
         self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
-        self.fc = nn.Linear(len(config.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(config.target_layer_ids) * c.hidden_size, c.hidden_size)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, None), persistent=False)

@@ -174,16 +174,44 @@ CPU_ONE_ROW_REDUCTION = True
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias; one row under torch.compile on the CPU as a fused reduction (see the switch)."""
+    """nn.Linear without bias. Compiled on the CPU: one row as a fused reduction (see the switch above), and in
+    frozen graphs several rows through oneDNN on the prepacked weight when `prepack_linears` gave it one."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
+        self.packed = None  # the weight in oneDNN's blocked layout (prepack_linears); a plain attribute, not state
+        self.packed_from = None  # (data_ptr, version) of the weight it was packed from
 
     def forward(self, x):
-        if CPU_ONE_ROW_REDUCTION and x.shape[:-1].numel() == 1 and x.device.type == "cpu" and \
-                torch.compiler.is_compiling():
-            return (x[..., None, :] * self.weight).sum(-1)
+        if x.device.type == "cpu" and torch.compiler.is_compiling():
+            rows = x.shape[:-1].numel()
+            if CPU_ONE_ROW_REDUCTION and rows == 1:
+                return (x[..., None, :] * self.weight).sum(-1)
+            # freezing first: graphs without it never read (so never guard on) the packed copy
+            if torch._inductor.config.freezing and self.packed is not None:
+                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed, None, "none", [], "")
+                return out.view(*x.shape[:-1], -1)
         return F.linear(x, self.weight)
+
+
+# Few-row matmuls of frozen CPU graphs (docs/compile.md, "Few-row matmuls on CPU"). Inductor lowers a frozen fp32
+# matmul to MKL's packed sgemm or its C++ GEMM template, whichever it measures faster, and both read the weights
+# well below memory bandwidth at 5-17 rows, while oneDNN on a prepacked weight reads them near it (bf16 weights
+# already go to oneDNN). A weight prepacked outside the graph is a graph constant under freezing, and inductor
+# then autotunes oneDNN against its template for each shape. So compile="max-autotune" engines on the CPU prepack
+# their models' linears once (the packed copies are kept beside the weights and reused by every engine while the
+# weights are unchanged), and Linear uses them only inside frozen graphs.
+def prepack_linears(module: nn.Module):
+    """Give every Linear of `module` (fp32 or bf16, on the CPU) its weight in oneDNN's blocked layout, unless the
+    copy it has was packed from the same, unchanged weight (a new copy would make other engines' graphs
+    recompile: dynamo guards on it)."""
+    for m in module.modules():
+        w = m.weight if isinstance(m, Linear) else None
+        if w is None or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            continue
+        source = (w.data_ptr(), w._version)
+        if m.packed is None or m.packed_from != source:
+            m.packed, m.packed_from = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), source
 
 
 # Layers compiled once (docs/compile.md, "Layers compiled once"). A model's layers run the same code on the same

@@ -1,7 +1,8 @@
 """AR vs DFlash chain vs DDTree on a trained pair (default: the bundled tiny pair) over held-out prompts:
 tau, tokens/s, speedup over AR, the per-round time split; a table, a JSON file and PNG plots.
 
-    python scripts/bench_pair.py [--budgets 4 16 64 256 512] [--denoise 1 2] [--compile] [--out runs/bench_pair]
+    python scripts/bench_pair.py [--budgets 4 16 64 256 512] [--denoise 1 2] [--compile | --max-autotune]
+                                 [--dtype bfloat16] [--out runs/bench_pair]
     python scripts/bench_pair.py --compile --only-batches [--batches 1 4 16] [--batch-budget 16]
     python scripts/bench_pair.py [--compile] --only-auto [--budgets 4 16 64 256 512] [--auto-passes 2]
 
@@ -63,12 +64,16 @@ def plots(rows, out_dir, chain_key, best_key):
     fig.savefig(os.path.join(out_dir, "committed_per_round.png"), dpi=100)
 
 
+def compiled_as(a) -> str:
+    return {False: "eager", True: "compiled", "max-autotune": "compiled with max-autotune"}[a.compile]
+
+
 def batch_section(target, drafter, text, a) -> dict:
     """Greedy DDTree at --batch-budget over --batch-prompts held-out prompts, --batches requests at a time (batch 1:
     one request after another, as generate() runs them), side by side: tokens/s of the whole set."""
     prompts = held_out_code(text, a.batch_prompts, 64, 160, a.seed + 2)
     print(f"batched: greedy ddtree B={a.batch_budget}, {a.batch_prompts} held-out prompts x {a.new_tokens} new "
-          f"tokens, {'compiled' if a.compile else 'eager'}; tokens/s of the whole set")
+          f"tokens, {compiled_as(a)}; tokens/s of the whole set")
     out = {}
     for batch in a.batches:
         out[batch] = batched_run(target, drafter, prompts, "ddtree", a.batch_budget, a.new_tokens, a.compile, batch)
@@ -88,7 +93,7 @@ def auto_section(target, drafter, text, a) -> dict:
     configs["auto"] = dict(method="ddtree", budget="auto")
     common = dict(max_new_tokens=a.new_tokens, stop_ids=[], compile=a.compile)
     print(f"budget auto: {a.prompts} held-out prompts x {a.new_tokens} new tokens (greedy), "
-          f"{'compiled' if a.compile else 'eager'}, {a.auto_passes} interleaved passes")
+          f"{compiled_as(a)}, {a.auto_passes} interleaved passes")
     warm = {}
     for name, kw in configs.items():
         res = generate(target, None if kw["method"] == "ar" else drafter, prompts[0], **common, **kw)
@@ -183,6 +188,8 @@ def main():
     p.add_argument("--contexts", type=int, default=60)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--max-autotune", action="store_true", help="compile as ddtree.py --max-autotune does (every "
+                   "method: AR too); the round split is then left out (its stages compile as --compile)")
     p.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16],
                    help="batch sizes for the batched section (generate_batch; greedy ddtree at --batch-budget)")
     p.add_argument("--batch-budget", type=int, default=16)
@@ -190,14 +197,17 @@ def main():
     p.add_argument("--only-batches", action="store_true", help="run the batched section alone")
     p.add_argument("--only-auto", action="store_true", help="run budget auto beside the fixed choices, alone")
     p.add_argument("--auto-passes", type=int, default=2)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every method runs in it")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench_pair")
     a = p.parse_args()
+    if a.max_autotune:
+        a.compile = "max-autotune"
     torch.set_num_threads(a.threads)
     os.makedirs(a.out, exist_ok=True)
-    target = Qwen3.from_pretrained(a.target, device="cpu")
-    drafter = DFlashDrafter.from_pretrained(a.draft, device="cpu").bind(target)
+    target = Qwen3.from_pretrained(a.target, device="cpu", dtype=getattr(torch, a.dtype))
+    drafter = DFlashDrafter.from_pretrained(a.draft, device="cpu", dtype=getattr(torch, a.dtype)).bind(target)
     text = Text(target.path)
     prompts = held_out_code(text, a.prompts, 64, 160, a.seed)
     contexts = held_out_code(text, a.contexts, 32, 256, a.seed + 1)
@@ -215,7 +225,7 @@ def main():
     configs += [("ddtree", b, d) for d in a.denoise for b in a.budgets]
     rows = {}
     print(f"pair: {a.target} + {a.draft}; {a.prompts} held-out prompts x {a.new_tokens} new tokens (greedy), "
-          f"{a.contexts} one-step contexts; {'compiled' if a.compile else 'eager'}, {a.threads} threads")
+          f"{a.contexts} one-step contexts; {compiled_as(a)}, {a.dtype}, {a.threads} threads")
     print(f"{'method':8s} {'B':>5s} {'T':>2s} {'tau gen':>8s} {'tau 1-step':>10s} {'tok/s':>8s} {'speedup':>8s}")
     for method, budget, denoise in configs:
         if method == "ar" and denoise != 1:
@@ -231,10 +241,12 @@ def main():
               f"{r['tau_one_step']:10.2f} {r['tokens_per_s']:8.1f} {r['speedup']:7.2f}x", flush=True)
 
     splits = {}
-    print(f"\nround split (ms, stages eager{' but the forwards compiled' if a.compile else ''}):")
+    budgets = [] if a.max_autotune else a.budgets  # round_split compiles its stages as --compile does
     cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context"]
-    print(round_header(cols, a.compile))
-    for budget in a.budgets:
+    if budgets:
+        print(f"\nround split (ms, stages eager{' but the forwards compiled' if a.compile else ''}):")
+        print(round_header(cols, a.compile))
+    for budget in budgets:
         ms = round_split(target, drafter, budget, a.compile, repeats=5, prompt_len=128)
         splits[budget] = ms
         print(round_row(budget, ms, cols))

@@ -4,7 +4,7 @@ Every checkpoint here is a tiny random Qwen3 written by `transformers` itself (`
 parameter perturbed after HF's init (so norm weights are not 1.0 and nothing sits at a convenient default), a
 non-default rope_theta (10000; Qwen3 ships 1e6) and head_dim != hidden / heads, so that reading a value from the
 wrong place, skipping a norm or mis-grouping GQA heads all show up far above the 1e-4 logits tolerance.
-Everything is fp32 and eager except one small compiled test of Linear's one-row path; the whole file runs in
+Everything is fp32 and eager except small compiled tests of Linear's CPU paths; the whole file runs in
 about a minute on one core.
 """
 
@@ -624,6 +624,39 @@ def test_linear_one_row_fast_path_is_taken_and_matches_matmul():
             assert out.shape == (rows, 300) and out.dtype == dtype
             assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), (dtype, rows)
             assert ("extern_kernels.mm" in "".join(code)) == uses_matmul, (dtype, rows)
+
+
+def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
+    """prepack_linears gives each Linear a oneDNN copy of its weight, once: kept while the weight is unchanged (a
+    new copy would recompile every graph that holds the old one), made again after an in-place change. Frozen
+    graphs multiply several rows by it through oneDNN and equal F.linear; one row keeps the fused reduce, and
+    graphs without freezing (and eager code) keep the matmul on the weight, in fp32 and bf16."""
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        lin = model_mod.Linear(96, 300).to(dtype)
+        model_mod.prepack_linears(torch.nn.Sequential(lin))
+        packed = lin.packed
+        model_mod.prepack_linears(lin)
+        assert lin.packed is packed
+        for freezing, rows, onednn in ((True, 3, True), (True, 1, False), (False, 3, False)):
+            x = torch.randn(rows, 2, 96, dtype=dtype)[:, 0]  # strided rows: the packed path reshapes them
+            compiled = torch.compile(lambda t: lin(t), dynamic=False, fullgraph=True)
+            with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
+                out, code = run_and_get_code(compiled, x)
+            ref = torch.nn.functional.linear(x.float(), lin.weight.detach().float())
+            assert out.shape == (rows, 300) and out.dtype == dtype
+            assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), (dtype, freezing, rows)
+            assert ("mkldnn._linear_pointwise" in "".join(code)) == onednn, (dtype, freezing, rows)
+            torch._dynamo.reset()
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        model_mod.prepack_linears(lin)
+        x = torch.randn(4, 96, dtype=dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+        assert lin.packed is not packed
+        assert torch.allclose(out.float(), torch.nn.functional.linear(x, lin.weight.detach()).float(), rtol=tol,
+                              atol=tol)
 
 
 def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):

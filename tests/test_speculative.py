@@ -14,7 +14,7 @@ import ddtree
 from conftest import compiled_equals_eager
 from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter, default_target_layer_ids
-from model import Qwen3
+from model import Linear, Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
@@ -134,8 +134,8 @@ def test_compiled_equals_eager_without_recompiles(models):
 
 
 def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_path):
-    # compile="max-autotune" on the CPU: frozen weights and autotuned matmuls (inductor's C++ GEMM templates where
-    # they win), the same tokens as eager, one host read per round, nothing recompiled; then the same settings
+    # compile="max-autotune" on the CPU: frozen weights and autotuned matmuls (inductor's C++ GEMM templates or
+    # oneDNN on prepacked weights, whichever wins), the same tokens as eager, one host read per round, nothing recompiled; then the same settings
     # on another target of the same shape (its weights frozen into graphs of its own): its own eager tokens,
     # and the options never left in inductor's global config.
     import torch._inductor.config as inductor
@@ -144,6 +144,9 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
     kw = dict(method="ddtree", budget=3)
     compiled_equals_eager(lambda c, compile: greedy(target, drafters[5], c[0], max_new_tokens=c[1], compile=compile,
                                                     **kw), cases, "max-autotune")
+    # Its few-row matmuls ran on the linears' oneDNN copies (model.prepack_linears), the drafter's included.
+    linears = [m for model in (target, drafters[5]) for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
     _, tc = files
     save_checkpoint(str(tmp_path / "other"), tc, random_qwen3_weights(tc, seed=5, std=0.35), eos_ids=[1])
     other = Qwen3.from_pretrained(str(tmp_path / "other"), device="cpu")
