@@ -209,7 +209,7 @@ def prepack_linears(module: nn.Module):
         w = m.weight if isinstance(m, Linear) else None
         if w is None or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             continue
-        source = (w.data_ptr(), w._version)
+        source = (w.data_ptr(), None if w.is_inference() else w._version)  # inference tensors keep no version
         if m.packed is None or m.packed_from != source:
             m.packed, m.packed_from = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), source
 

@@ -657,6 +657,10 @@ def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
         assert lin.packed is not packed
         assert torch.allclose(out.float(), torch.nn.functional.linear(x, lin.weight.detach()).float(), rtol=tol,
                               atol=tol)
+    with torch.inference_mode():  # weights made in inference mode have no version counter: packed all the same
+        lin = model_mod.Linear(8, 4)
+        model_mod.prepack_linears(lin)
+    assert lin.packed is not None
 
 
 def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
