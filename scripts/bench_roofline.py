@@ -1,13 +1,14 @@
 """A roofline for this machine: each stage of a compiled DDTree round beside its floor.
 
-    python scripts/bench_roofline.py [--budgets 4 16] [--rows 1 5 17 65] [--json out.json]
+    python scripts/bench_roofline.py [--budgets 4 16] [--rows 1 5 17 65] [--max-autotune] [--json out.json]
 
 Measured first: the peak GEMM rate (the best of MKL's and oneDNN's large fp32 matmul) and the read bandwidth at
 the working-set size of each stage's weights (the bundled pair's 17 MB fit the L3 cache of most server CPUs, so
 the floor of a forward is the cache's bandwidth, not DRAM's). A stage's floor is max(bytes it must read /
 bandwidth, FLOPs / peak); the table prints the measured time, the floor and their ratio:
 - verify at 1 / 5 / 17 / 65 rows (a decode step, then B = 4 / 16 / 64 trees): every target weight once, the KV
-  cache, 2 x rows x weights FLOPs;
+  cache, 2 x rows x weights FLOPs (compiled as --compile; left out with --max-autotune, whose verify the round
+  split below times);
 - per budget, the round's stages as the engine runs them (benchlib.round_split): draft (the drafter's block
   pass and the lm_head at block_size rows), tree + mask + walk (its floor: reading the draft and verify logits),
   compaction (moving the accepted rows' K/V), context (the drafter's K/V of the committed tokens);
@@ -96,8 +97,11 @@ def main():
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--max-autotune", action="store_true", help="compile the rounds and their stages as "
+                   "ddtree.py --max-autotune does (frozen graphs, autotuned matmuls, oneDNN weight copies)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    compile = "max-autotune" if a.max_autotune else True
     torch.set_num_threads(a.threads)
     out = {"threads": torch.get_num_threads(), "torch": torch.__version__}
     with torch.inference_mode():
@@ -123,7 +127,7 @@ def main():
             print(f"{name:28s} {ms:9.3f} {f:9.3f} {ms / f:8.1f}x", flush=True)
 
         print(f"{'stage (compiled)':28s} {'ms':>9s} {'floor ms':>9s} {'ratio':>9s}")
-        for rows in a.rows:
+        for rows in [] if a.max_autotune else a.rows:
             ms = verify_ms(target, rows - 1, True, a.repeats, prompt_len=a.prompt_len)
             ctx = a.prompt_len + rows
             attn = 4 * rows * ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers
@@ -132,9 +136,10 @@ def main():
         ctx_bytes = sum(m.weight.numel() * 4 for n, m in drafter.named_modules()  # fc and the K/V projections
                         if isinstance(m, Linear) and (n == "fc" or n.endswith(("k_proj", "v_proj"))))
         for budget in a.budgets:
-            ms = round_split(target, drafter, budget, True, a.repeats, prompt_len=a.prompt_len)
+            ms = round_split(target, drafter, budget, compile, a.repeats, prompt_len=a.prompt_len)
             out.setdefault("rounds", {})[budget] = ms
-            print(f"-- round at B = {budget}: {ms['round']:.3f} ms compiled")
+            how = "compiled (max-autotune)" if a.max_autotune else "compiled"
+            print(f"-- round at B = {budget}: {ms['round']:.3f} ms {how}")
             report(f"  draft ({block} rows)", ms["draft"], wd, 2 * block * wd / 4, bw["draft"])
             report(f"  verify ({budget + 1} rows)", ms["verify"], wt, 2 * (budget + 1) * wt / 4, bw["target"])
             logits = (block + budget + 1) * c.vocab_size * 4  # the tree reads the draft's, the walk the verify's

@@ -19,7 +19,7 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
         sys.path.insert(0, p)
 from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint, stdlib_files  # noqa: E402
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
-from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
+from ddtree import Engine, Speculation, cache_length, compile_frozen, generate, generate_batch  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
@@ -70,10 +70,11 @@ def save_random_target(path, vocab, hidden, layers) -> dict:
 def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     """Per-stage milliseconds of one round after a real prefill, for one budget.
 
-    With `compile`, the forwards (draft, verify, context) and the whole round run compiled, with CUDA graphs on
-    the GPU (as the engine runs them), so round - forwards is the rest of the round in the same mode; and the
-    tree work alone (propose + tree_mask + accept, given the forwards' logits) is also timed compiled, with and
-    (on the GPU) without CUDA graphs: `tree_work` and `tree_work_nograph`.
+    With `compile` (True or "max-autotune"), the forwards (draft, verify, context) and the whole round run
+    compiled as the engine runs them (CUDA graphs on the GPU, frozen graphs under max-autotune on the CPU), so
+    round - forwards is the rest of the round in the same mode; and the tree work alone (propose + tree_mask +
+    accept, given the forwards' logits) is also timed compiled, with and (on the GPU) without CUDA graphs:
+    `tree_work` and `tree_work_nograph`.
     """
     dev = target.device
     spec = Speculation(budget=budget)
@@ -84,20 +85,30 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     # K/V of the committed tokens (extend_context). Both count as the drafter's forward, not as tree overhead.
     context = engine.extend_context
     mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs, as the engine compiles them
-    if compile:  # engine.round is compiled already, as the engine runs it
-        engine.draft, engine.verify, context = (torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
-                                                for f in (engine.draft, engine.verify, context))
+    frozen = compile == "max-autotune" and dev.type == "cpu"
+    draft = engine.draft
+    if compile:  # engine.round is compiled already, as the engine runs it; the stages are compiled the same way
+        stage = compile_frozen if frozen else lambda f: torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
+        draft, context = stage(engine.draft), stage(context)
+    verify = engine.verify
+    if frozen:
+        # A frozen graph takes the tensors of a mask passed in for constants, and FlexAttention then fails to lower
+        # (torch 2.13): this verify stage builds its mask inside, as the round does, so it includes the mask.
+        masked = compile_frozen(lambda b, t, d, s, p: engine.verify(b, t, d, s, engine.tree_mask(s, p)))
+        verify = lambda b, t, d, s, mask: masked(b, t, d, s, parents)  # noqa: E731 (parents: set below)
+    elif compile:
+        verify = torch.compile(engine.verify, dynamic=False, fullgraph=True, mode=mode)
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,)).tolist()
     bonus, _ = engine.prefill([prompt])  # a batch of one request: every tensor below has a leading 1
     start = torch.tensor([prompt_len], device=dev)
     # Outputs of a CUDA graph are overwritten by its next replay: every output used later is cloned.
     keep = lambda out: tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
     ms = {}
-    ms["draft"], logits_q = timed(lambda: engine.draft(bonus, start), dev, repeats)
+    ms["draft"], logits_q = timed(lambda: draft(bonus, start), dev, repeats)
     logits_q = logits_q.clone()
     ms["tree"], (tokens, parents, depths, q) = timed(lambda: engine.propose(logits_q, None), dev, repeats)
     ms["mask"], mask = timed(lambda: engine.tree_mask(start, parents), dev, repeats)
-    ms["verify"], out = timed(lambda: engine.verify(bonus, tokens, depths, start, mask), dev, repeats)
+    ms["verify"], out = timed(lambda: verify(bonus, tokens, depths, start, mask), dev, repeats)
     rows, pos, logits, features = keep(out)
     ms["walk"], (path, length, nxt, _) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
                                             repeats)
@@ -111,9 +122,9 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
         # The whole round compiled: what it costs beyond the forwards is the real tree overhead. They are timed
         # interleaved (round, draft, context, verify, round, ...) so a noisy machine shifts all of them alike.
         whole, fwd_d, fwd_c, fwd_v = interleaved([lambda: engine.round(bonus, start, None, None, None),
-                                                  lambda: engine.draft(bonus, start),
+                                                  lambda: draft(bonus, start),
                                                   lambda: context(start, feats, positions),
-                                                  lambda: engine.verify(bonus, tokens, depths, start, mask)],
+                                                  lambda: verify(bonus, tokens, depths, start, mask)],
                                                  dev, 3 * repeats)
         ms["round"] = whole
         ms["round_overhead_pct"] = 100 * (whole - fwd_d - fwd_c - fwd_v) / whole
