@@ -189,7 +189,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--max-autotune", action="store_true", help="compile as ddtree.py --max-autotune does (every "
-                   "method: AR too); the round split is then left out (its stages compile as --compile)")
+                   "method: AR too)")
     p.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16],
                    help="batch sizes for the batched section (generate_batch; greedy ddtree at --batch-budget)")
     p.add_argument("--batch-budget", type=int, default=16)
@@ -241,12 +241,10 @@ def main():
               f"{r['tau_one_step']:10.2f} {r['tokens_per_s']:8.1f} {r['speedup']:7.2f}x", flush=True)
 
     splits = {}
-    budgets = [] if a.max_autotune else a.budgets  # round_split compiles its stages as --compile does
     cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context"]
-    if budgets:
-        print(f"\nround split (ms, stages eager{' but the forwards compiled' if a.compile else ''}):")
-        print(round_header(cols, a.compile))
-    for budget in budgets:
+    print(f"\nround split (ms, stages eager{' but the forwards compiled' if a.compile else ''}):")
+    print(round_header(cols, a.compile))
+    for budget in a.budgets:
         ms = round_split(target, drafter, budget, a.compile, repeats=5, prompt_len=128)
         splits[budget] = ms
         print(round_row(budget, ms, cols))
