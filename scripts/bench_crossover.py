@@ -22,29 +22,27 @@ each method's fastest turn.
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from benchlib import write_json  # noqa: E402
-from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
-                         save_checkpoint)
+from benchlib import save_random_target, timed, write_json  # noqa: E402
+from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa: E402
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Engine, Speculation, cache_length  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 
+CPU = torch.device("cpu")
+
 
 def random_pair(out_dir: str, hidden: int, layers: int, dtype, vocab: int = 4096):
-    """A random target of `hidden` x `layers` and its random one-layer drafter, loaded as the engine loads them."""
-    tc = qwen3_config(vocab, hidden=hidden, inter=3 * hidden, layers=layers, heads=max(1, hidden // 64),
-                      kv_heads=max(1, hidden // 128), head_dim=64)
-    save_checkpoint(os.path.join(out_dir, "target"), tc, random_qwen3_weights(tc))
+    """The benchmarks' random target of `hidden` x `layers` and a random one-layer drafter for it, loaded as the
+    engine loads them."""
+    tc = save_random_target(os.path.join(out_dir, "target"), vocab, hidden, layers)
     dc = dflash_config(tc, layers=1, block_size=8, target_layer_ids=[1, max(1, layers - 2)])
     save_checkpoint(os.path.join(out_dir, "draft"), dc, random_dflash_weights(dc))
     return load_pair(os.path.join(out_dir, "target"), os.path.join(out_dir, "draft"), dtype)
@@ -57,23 +55,19 @@ def load_pair(target_path: str, draft_path: str, dtype):
 
 
 def step_ms(engine: Engine, prompt: list, steps: int) -> float:
-    """Median milliseconds of `steps` engine steps (rounds, or plain decoding steps) after a prefill of `prompt`;
-    a step includes its host read, as in `generate`."""
+    """Median milliseconds of `steps` engine steps (rounds, or plain decoding steps) after a prefill of `prompt`
+    and one untimed step (benchlib.timed); a step includes its host read, as in `generate`."""
     engine.start([prompt], seeds=[0])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return timed(engine.step, CPU, steps)[0]
 
 
 def measure(target, drafter, budgets, mode, prompt_len: int, steps: int, passes: int) -> dict:
     compile = True if mode == "compile" else mode
     prompt = torch.randint(0, target.config.vocab_size - 1, (prompt_len,)).tolist()
     spec = {None: Speculation()} | {b: Speculation(budget=b) for b in budgets}
-    # Room for every step of every pass: a round commits at most block_size tokens.
-    max_len = cache_length(prompt_len, steps * drafter.block_size, "ddtree", spec[max(budgets)], drafter)
+    # Room for one turn (each starts from the prefill): steps + 2 rounds (timed's warm-up and its last call), each
+    # committing at most block_size tokens.
+    max_len = cache_length(prompt_len, (steps + 2) * drafter.block_size, "ddtree", spec[max(budgets)], drafter)
     engines, compile_s = {}, {}
     for b in spec:  # compile each engine first, so that the turns below time generation alone
         engines[b] = Engine(target, None if b is None else drafter, "ar" if b is None else "ddtree", Sampling(),

@@ -90,14 +90,15 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     if compile:  # engine.round is compiled already, as the engine runs it; the stages are compiled the same way
         stage = compile_frozen if frozen else lambda f: torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
         draft, context = stage(engine.draft), stage(context)
-    verify = engine.verify
+    # verify(bonus, tokens, depths, start, parents, mask). A frozen graph takes the tensors of a mask passed in
+    # for constants, and FlexAttention then fails to lower (torch 2.13): the frozen verify stage builds its mask
+    # from the parents inside, as the round does, so its time includes the mask's.
     if frozen:
-        # A frozen graph takes the tensors of a mask passed in for constants, and FlexAttention then fails to lower
-        # (torch 2.13): this verify stage builds its mask inside, as the round does, so it includes the mask.
         masked = compile_frozen(lambda b, t, d, s, p: engine.verify(b, t, d, s, engine.tree_mask(s, p)))
-        verify = lambda b, t, d, s, mask: masked(b, t, d, s, parents)  # noqa: E731 (parents: set below)
-    elif compile:
-        verify = torch.compile(engine.verify, dynamic=False, fullgraph=True, mode=mode)
+        verify = lambda b, t, d, s, p, mask: masked(b, t, d, s, p)  # noqa: E731
+    else:
+        forward = torch.compile(engine.verify, dynamic=False, fullgraph=True, mode=mode) if compile else engine.verify
+        verify = lambda b, t, d, s, p, mask: forward(b, t, d, s, mask)  # noqa: E731
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,)).tolist()
     bonus, _ = engine.prefill([prompt])  # a batch of one request: every tensor below has a leading 1
     start = torch.tensor([prompt_len], device=dev)
@@ -108,7 +109,7 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     logits_q = logits_q.clone()
     ms["tree"], (tokens, parents, depths, q) = timed(lambda: engine.propose(logits_q, None), dev, repeats)
     ms["mask"], mask = timed(lambda: engine.tree_mask(start, parents), dev, repeats)
-    ms["verify"], out = timed(lambda: verify(bonus, tokens, depths, start, mask), dev, repeats)
+    ms["verify"], out = timed(lambda: verify(bonus, tokens, depths, start, parents, mask), dev, repeats)
     rows, pos, logits, features = keep(out)
     ms["walk"], (path, length, nxt, _) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
                                             repeats)
@@ -116,16 +117,14 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     positions = pos.gather(1, path)
     ms["compact"], _ = timed(lambda: compact_kv(target.kv_caches(), start, path), dev, repeats)
     ms["context"], _ = timed(lambda: context(start, feats, positions), dev, repeats)
-    ms["sum"] = sum(ms.values())
+    ms["sum"] = sum(ms.values()) - (ms["mask"] if frozen else 0)  # the frozen verify's time holds the mask's
     ms["overhead_pct"] = 100 * (ms["tree"] + ms["mask"] + ms["walk"] + ms["compact"]) / ms["sum"]
     if compile:
         # The whole round compiled: what it costs beyond the forwards is the real tree overhead. They are timed
         # interleaved (round, draft, context, verify, round, ...) so a noisy machine shifts all of them alike.
-        whole, fwd_d, fwd_c, fwd_v = interleaved([lambda: engine.round(bonus, start, None, None, None),
-                                                  lambda: draft(bonus, start),
-                                                  lambda: context(start, feats, positions),
-                                                  lambda: verify(bonus, tokens, depths, start, mask)],
-                                                 dev, 3 * repeats)
+        stages = [lambda: engine.round(bonus, start, None, None, None), lambda: draft(bonus, start),
+                  lambda: context(start, feats, positions), lambda: verify(bonus, tokens, depths, start, parents, mask)]
+        whole, fwd_d, fwd_c, fwd_v = interleaved(stages, dev, 3 * repeats)
         ms["round"] = whole
         ms["round_overhead_pct"] = 100 * (whole - fwd_d - fwd_c - fwd_v) / whole
 
