@@ -120,7 +120,8 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     seeds[i] in the order generate(seed=seeds[i]) draws it, so it is the same sample as the lone run (seeds:
     one int or None per prompt; None = a fresh seed). A request that ends (stop token, token limit) stops
     emitting while the rest go on. on_tokens(i, list[int]) streams request i's tokens. Batches are padded to a
-    power of two, so a few compiled graphs serve every batch size. Other settings and stats: as generate().
+    power of two, so a few compiled graphs serve every batch size, and a batch moves to the next smaller power of
+    two as its requests end (stats["batch"] is the size it started at). Other settings and stats: as generate().
     """
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     spec = check_speculation(method, sampling, budget, draft_temperature, draft_sampling, denoise_steps, show_tree)
@@ -133,11 +134,13 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
             longest = max(len(prompts[i]) for i in wave)
             budgets = auto_budgets(longest, max_new_tokens, target) if spec.budget == "auto" else ()
             length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets)
-            engine = get_engine(target, drafter if method != "ar" else None, method, sampling, spec, length,
-                                compile, show_tree, batch_bucket(len(wave), max_batch), budgets)
+            engine_for = functools.partial(get_engine, target, drafter if method != "ar" else None, method, sampling,
+                                           spec, length, compile, show_tree, auto=budgets)
+            engine = engine_for(batch_bucket(len(wave), max_batch))
             emit_to = on_tokens and (lambda j, new, first=first: on_tokens(first + j, new))
+            # Budget auto keeps its batch: its candidates' costs are calibrated for one batch size.
             results += run_requests(engine, [prompts[i] for i in wave], [seeds[i] for i in wave], stop,
-                                    max_new_tokens, emit_to)
+                                    max_new_tokens, emit_to, None if spec.budget == "auto" else engine_for)
             if spec.budget == "auto":
                 report = engine.report()
                 for result in results[first:]:
@@ -148,15 +151,20 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
 
 
 def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_new_tokens: int,
-                 on_tokens) -> list[Result]:
-    """Run one batch of requests on `engine` to the end: prefill, then rounds until every request has ended."""
+                 on_tokens, engine_for=None) -> list[Result]:
+    """Run one batch of requests on `engine` to the end: prefill, then rounds until every request has ended.
+    engine_for(batch): an engine of the same settings for a smaller batch. The rows of a request that has ended
+    still run (static shapes), so once the running requests fit a smaller power of two they move to such an
+    engine: a batch whose requests end at different rounds no longer runs every round at its starting size."""
     compile_seconds = engine.warm_up()
-    t0 = time.perf_counter()
+    t0, compiling = time.perf_counter(), 0.0  # compiling: seconds since t0 spent warming up smaller engines
     results = [Result(tokens=[], stats=dict(accepted=[], verified=[], seed=seed)) for seed in seeds]
     live = set(range(len(prompts)))
+    rows = list(range(len(prompts)))  # the request in each engine row
 
-    def emit_each(new_per_request, is_round=True):
-        for i, (new, tree) in enumerate(new_per_request):
+    def emit_each(new_per_row, is_round=True):
+        for row, (new, tree) in enumerate(new_per_row[:len(rows)]):
+            i = rows[row]
             if i not in live:
                 continue
             r = results[i]
@@ -169,12 +177,20 @@ def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_ne
                 r.trees.append(tree)
             if done:
                 live.discard(i)
-                engine.finish(i)
-                r.stats["seconds"] = time.perf_counter() - t0
+                engine.finish(row)
+                r.stats["seconds"] = time.perf_counter() - t0 - compiling
 
     emit_each([([t], None) for t in engine.start(prompts, seeds)], is_round=False)
     while live:
         emit_each(engine.step())
+        if engine_for is not None and live and batch_bucket(len(live), engine.batch) < engine.batch:
+            keep = [row for row, i in enumerate(rows) if i in live]
+            held = engine.take(keep)
+            engine = engine_for(batch_bucket(len(live), engine.batch))
+            seconds = engine.warm_up()  # a new compiled engine compiles here, left out of the run's time
+            compile_seconds, compiling = compile_seconds + seconds, compiling + seconds
+            engine.resume(held)
+            rows = [rows[row] for row in keep]
     for r in results:
         s, rounds = r.stats, len(r.stats["accepted"])
         s.update(new_tokens=len(r.tokens), rounds=rounds, tau=sum(s["accepted"]) / rounds if rounds else 0.0,
@@ -243,6 +259,33 @@ class Engine:
         committed length, and their results are dropped) and stops drawing randomness."""
         self.live[i] = 0
         self.generators[i] = None
+
+    def take(self, rows: list[int]) -> tuple:
+        """The state of the running requests in `rows`, copied out for an engine with a smaller batch (resume):
+        their cache rows (target and drafter), next tokens, positions and generators."""
+        index = torch.tensor(rows, device=self.device)
+        caches = [c.index_select(0, index) for c in self.kv_caches()]
+        return caches, self.token[index], self.position[index], [self.generators[r] for r in rows]
+
+    def resume(self, held: tuple):
+        """Carry on the requests taken from another engine of these settings (take) as rows 0, 1, ...; the rows
+        past them are padding, as in start()."""
+        caches, token, position, generators = held
+        n, pad = len(generators), self.batch - len(generators)
+        self.target.setup_cache(self.max_seq_len, self.batch)
+        if self.drafter is not None:
+            self.drafter.setup_cache(self.max_seq_len, self.batch)
+        for cache, rows in zip(self.kv_caches(), caches):
+            cache[:n].copy_(rows)
+        self.token = torch.cat([token, token.new_zeros(pad)])
+        self.position = torch.cat([position, position.new_ones(pad)])  # a padding row's one-token dummy prompt
+        self.live = torch.tensor([1] * n + [0] * pad, device=self.device)
+        self.generators = generators + [None] * pad
+
+    def kv_caches(self):
+        yield from self.target.kv_caches()
+        if self.drafter is not None:
+            yield from self.drafter.kv_caches()
 
     def step(self) -> list[tuple[list[int], tuple | None]]:
         """One round for every request: per request, the new token ids (accepted drafts, then the target's own
@@ -567,9 +610,13 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, sh
                auto=()) -> Engine | AutoBudget:
     """Engines are cached per (models, settings, batch size) so repeated calls reuse caches and compiled graphs.
     auto: the tree sizes of a budget-auto engine."""
-    key = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, show_tree, batch, auto)
+    settings = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, show_tree, auto)
+    key = settings + (batch,)
     if key not in _ENGINES:
-        _ENGINES.clear()  # one live engine at a time: caches can be large
+        # Engines of other settings go (a stale engine holds masks, compiled graphs, and budget auto's buffers);
+        # those of other batch sizes stay, for a batch that shrinks as its requests end. The caches are the models'.
+        for old in [k for k in _ENGINES if k[:-1] != settings]:
+            del _ENGINES[old]
         if spec.budget == "auto":
             _ENGINES[key] = auto_engine(target, drafter, sampling, spec, max_seq_len, compile, show_tree, batch, auto)
         else:

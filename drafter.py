@@ -94,6 +94,11 @@ class DFlashDrafter(nn.Module):
     def setup_cache(self, length: int, batch: int = 1):
         allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
 
+    def kv_caches(self):
+        for layer in self.layers:
+            yield layer.self_attn.k_cache
+            yield layer.self_attn.v_cache
+
     def append_context(self, features, positions, cache_pos):
         """Write the context K/V of committed tokens: features [N, W, len(ids) * hidden] (the target's chosen-layer
         outputs), at RoPE positions and cache slots [N, W] (request n in cache row n). No attention: context rows

@@ -89,20 +89,54 @@ def test_seeded_batch_request_is_the_lone_sample(pair, method, kw):
     assert [r.tokens for r in other] != [r.tokens for r in batch]
 
 
-def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(tmp_path, one_thread):
+SHRINKING = [("ddtree", dict(budget=6)), ("dflash", dict(temperature=0.9, draft_sampling=True)),
+             ("ar", dict(temperature=1.0))]
+
+
+@pytest.mark.parametrize("method, kw", SHRINKING, ids=[m for m, _ in SHRINKING])
+def test_batch_shrinks_as_requests_end_and_each_request_stays_its_lone_run(pair, monkeypatch, method, kw):
+    """Requests that end at different rounds (the stop token, the token limit) move the batch to engines of
+    smaller batch sizes (8 -> 4 -> 2 -> 1 as they end); every request, greedy or seeded, is still its lone run."""
+    target, drafter = pair
+    resumed = []  # (the engine's batch, the requests it took over)
+    resume = ddtree.Engine.resume
+    monkeypatch.setattr(ddtree.Engine, "resume", lambda self, held: (resumed.append((self.batch, len(held[3]))),
+                                                                    resume(self, held)))
+    prompts, seeds = ragged_prompts(7, seed=7), list(range(30, 37))
+    run = lambda prompts, seeds: generate_batch(target, drafter, prompts, method=method, max_new_tokens=30,
+                                                seeds=seeds, stop_ids=[STOP], max_batch=8, **kw)
+    lone = [run([p], [s])[0] for p, s in zip(prompts, seeds)]
+    assert not resumed, "a lone request moved"
+    together = run(prompts, seeds)
+    assert [r.tokens for r in together] == [r.tokens for r in lone]
+    assert [r.stats["accepted"] for r in together] == [r.stats["accepted"] for r in lone]
+    assert [r.stats["batch"] for r in together] == [7] * 7
+    assert len({r.stats["rounds"] for r in lone}) > 2, "the requests did not end at different rounds"
+    assert resumed and [b for b, _ in resumed] == sorted({b for b, _ in resumed}, reverse=True), resumed
+    assert all(b == batch_bucket(n, 8) < 8 for b, n in resumed), resumed
+
+
+def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(tmp_path, one_thread, monkeypatch):
     from torch._dynamo.utils import counters
+    resumed = []
+    resume = ddtree.Engine.resume
+    monkeypatch.setattr(ddtree.Engine, "resume", lambda self, held: (resumed.append(self.batch), resume(self, held)))
     target, drafter = write_pair(tmp_path, target_layers=2, draft_layers=1)  # small graphs: compile time
     run = lambda prompts, compile: generate_batch(target, drafter, prompts, method="ddtree", budget=6,
                                                   max_new_tokens=16, stop_ids=[STOP], compile=compile)
-    first, second = ragged_prompts(3, seed=2), ragged_prompts(4, seed=3)[::-1]  # batch 3 and 4: the same bucket
-    assert batch_bucket(3, 16) == batch_bucket(4, 16) == 4
+    # The same requests in another order: the batch shrinks the same way (2 -> 1 when one request ends), to the
+    # graph the first run compiled.
+    first = ragged_prompts(2, seed=3)
+    second = first[::-1]
     eager = [[r.tokens for r in run(prompts, False)] for prompts in (first, second)]
     assert [r.tokens for r in run(first, True)] == eager[0]
     counters.clear()
+    resumed.clear()
     with HostReads() as reads:
         compiled = run(second, True)
     assert [r.tokens for r in compiled] == eager[1]
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    assert resumed == [1], "the compiled batch did not shrink"
     # One read per round of the batch (the batch runs until its longest request ends) and one for the prefill.
     assert reads.count == max(r.stats["rounds"] for r in compiled) + 1
 
