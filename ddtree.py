@@ -184,19 +184,26 @@ def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_ne
     while live:
         emit_each(engine.step())
         if engine_for is not None and live and batch_bucket(len(live), engine.batch) < engine.batch:
-            keep = [row for row, i in enumerate(rows) if i in live]
-            held = engine.take(keep)
-            engine = engine_for(batch_bucket(len(live), engine.batch))
-            seconds = engine.warm_up()  # a new compiled engine compiles here, left out of the run's time
+            engine, rows, seconds = move_to_smaller(engine, engine_for, rows, live)
             compile_seconds, compiling = compile_seconds + seconds, compiling + seconds
-            engine.resume(held)
-            rows = [rows[row] for row in keep]
     for r in results:
         s, rounds = r.stats, len(r.stats["accepted"])
         s.update(new_tokens=len(r.tokens), rounds=rounds, tau=sum(s["accepted"]) / rounds if rounds else 0.0,
                  tokens_per_s=len(r.tokens) / s["seconds"] if s["seconds"] > 0 else 0.0,
                  compile_seconds=compile_seconds, batch=len(prompts))
     return results
+
+
+def move_to_smaller(engine: "Engine", engine_for, rows: list, live: set) -> tuple:
+    """Move the running requests (`live`; rows[r] is the request in engine row r) to the engine for the next power
+    of two that holds them. Returns that engine, its rows' requests, and the seconds its warm-up took (compiling
+    it, the first time), which the run's time leaves out."""
+    keep = [row for row, i in enumerate(rows) if i in live]
+    held = engine.take(keep)
+    smaller = engine_for(batch_bucket(len(keep), engine.batch))
+    seconds = smaller.warm_up()  # its dummy request may overwrite the caches: `held` holds copies
+    smaller.resume(held)
+    return smaller, [rows[row] for row in keep], seconds
 
 
 def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> bool:

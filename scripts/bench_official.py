@@ -2,6 +2,7 @@
 the CPU: greedy tokens compared, tokens/s side by side per budget.
 
     git clone https://github.com/liranringel/ddtree /path/to/official   # not a dependency of this project
+    pip install loguru                                                   # the official code logs with it
     python scripts/bench_official.py --official /path/to/official [--budgets 4 16 64] [--prompts 4]
 
 The official code targets CUDA and transformers 4; it runs here, in a child process of its own (its `ddtree.py`
@@ -10,7 +11,8 @@ its CUDA-synchronizing timer becomes time.perf_counter; `datasets` (imported onl
 stubbed; DynamicCache.crop(length) is translated to transformers 5's crop(-tokens_to_remove); and the models load
 in float32 on the CPU. Both sides run the bundled pair by default (our checkpoints are in the formats the official
 code reads: a Hugging Face Qwen3 and a z-lab DFlash drafter), greedy, prefill included in the time, after one
-warm-up call per budget, the fastest of --passes passes; ours compiled (`--compile`, as the CLI) and eager.
+warm-up call per budget, the fastest of --passes passes; ours in each of --modes (eager, compiled as the CLI's
+`--compile`, and max-autotune as its `--max-autotune`).
 Note: the official loop drops every generated token equal to the drafter's mask token id from its output
 (`output_ids[0] != mask_token_id`), so its token list can be shorter where that id is generated.
 """
@@ -90,6 +92,9 @@ def ours(target_path, draft_path, prompts, budgets, new_tokens, compile, passes)
     return out
 
 
+MODES = {"eager": False, "compiled": True, "max-autotune": "max-autotune"}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--official", required=True, help="a checkout of github.com/liranringel/ddtree")
@@ -101,6 +106,8 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--passes", type=int, default=3, help="passes over the prompts per side; the fastest counts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=["eager", "compiled"],
+                   help="how ours runs: eager, compiled (--compile, as the CLI), max-autotune (--max-autotune)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -120,8 +127,8 @@ def main():
         raise SystemExit(f"the official loop failed:\n{child.stderr[-3000:]}")
     official = json.loads(child.stdout.strip().splitlines()[-1])
     runs = {"official": official}
-    for name, compile in (("ours eager", False), ("ours compiled", True)):
-        runs[name] = ours(a.target, a.draft, prompts, a.budgets, a.new_tokens, compile, a.passes)
+    for mode in a.modes:
+        runs[f"ours {mode}"] = ours(a.target, a.draft, prompts, a.budgets, a.new_tokens, MODES[mode], a.passes)
     print(f"greedy DDTree, {a.prompts} held-out prompts x {a.new_tokens} new tokens, {a.threads} threads, CPU; "
           f"tokens/s (prefill included, the fastest of {a.passes} passes), speedup over the official loop, "
           f"tokens equal to the official loop's")
