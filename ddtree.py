@@ -184,7 +184,9 @@ def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_ne
     while live:
         emit_each(engine.step())
         if engine_for is not None and live and batch_bucket(len(live), engine.batch) < engine.batch:
-            engine, rows, seconds = move_to_smaller(engine, engine_for, rows, live)
+            # A running request's caches hold its prompt and its tokens but the last (the next round's input).
+            committed = max(len(prompts[i]) + len(results[i].tokens) - 1 for i in live)
+            engine, rows, seconds = move_to_smaller(engine, engine_for, rows, live, committed)
             compile_seconds, compiling = compile_seconds + seconds, compiling + seconds
     for r in results:
         s, rounds = r.stats, len(r.stats["accepted"])
@@ -194,12 +196,12 @@ def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_ne
     return results
 
 
-def move_to_smaller(engine: "Engine", engine_for, rows: list, live: set) -> tuple:
-    """Move the running requests (`live`; rows[r] is the request in engine row r) to the engine for the next power
-    of two that holds them. Returns that engine, its rows' requests, and the seconds its warm-up took (compiling
-    it, the first time), which the run's time leaves out."""
+def move_to_smaller(engine: "Engine", engine_for, rows: list, live: set, committed: int) -> tuple:
+    """Move the running requests (`live`; rows[r] is the request in engine row r; none has more than `committed`
+    tokens in the caches) to the engine for the next power of two that holds them. Returns that engine, its rows'
+    requests, and the seconds its warm-up took (compiling it, the first time), which the run's time leaves out."""
     keep = [row for row, i in enumerate(rows) if i in live]
-    held = engine.take(keep)
+    held = engine.take(keep, committed)
     smaller = engine_for(batch_bucket(len(keep), engine.batch))
     seconds = smaller.warm_up()  # its dummy request may overwrite the caches: `held` holds copies
     smaller.resume(held)
@@ -267,11 +269,12 @@ class Engine:
         self.live[i] = 0
         self.generators[i] = None
 
-    def take(self, rows: list[int]) -> tuple:
+    def take(self, rows: list[int], slots: int) -> tuple:
         """The state of the running requests in `rows`, copied out for an engine with a smaller batch (resume):
-        their cache rows (target and drafter), next tokens, positions and generators."""
+        their caches' first `slots` slots (every request's committed ones: the rest are scratch), next tokens,
+        positions and generators."""
         index = torch.tensor(rows, device=self.device)
-        caches = [c.index_select(0, index) for c in self.kv_caches()]
+        caches = [c[:, :, :slots].index_select(0, index) for c in self.kv_caches()]
         return caches, self.token[index], self.position[index], [self.generators[r] for r in rows]
 
     def resume(self, held: tuple):
@@ -283,7 +286,7 @@ class Engine:
         if self.drafter is not None:
             self.drafter.setup_cache(self.max_seq_len, self.batch)
         for cache, rows in zip(self.kv_caches(), caches):
-            cache[:n].copy_(rows)
+            cache[:n, :, :rows.shape[2]].copy_(rows)
         self.token = torch.cat([token, token.new_zeros(pad)])
         self.position = torch.cat([position, position.new_ones(pad)])  # a padding row's one-token dummy prompt
         self.live = torch.tensor([1] * n + [0] * pad, device=self.device)

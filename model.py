@@ -249,6 +249,7 @@ class Attention(nn.Module):
         # Static K/V caches, registered as (non-persistent) buffers so CUDA graphs see fixed addresses.
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
+        self.kv_rows = None  # the (K, V) buffers the caches are the first rows of (allocate_kv_caches)
 
     def project_kv(self, x, cos, sin):
         """K (normed, roped) and V of rows x [N, Q, hidden] as [N, kv_heads, Q, head_dim]."""
@@ -396,18 +397,21 @@ class Block(nn.Module):
 
 def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
     """One K and one V buffer per layer ([batch, kv_heads, length, head_dim]: a row per request), never views of
-    one stacked buffer:
-    compiled FlexAttention reads such views wrongly (docs/compile.md, "stacked KV buffer views"). Buffers that
-    already have that shape, dtype and device are kept (compiled graphs and CUDA graphs hold on to them)."""
+    one stacked buffer: compiled FlexAttention reads such views wrongly (docs/compile.md, "stacked KV buffer views").
+    Buffers with at least `batch` rows of that length, dtype and device are kept (compiled graphs and CUDA graphs
+    hold on to them), and a smaller batch gets their first rows: a batch that shrinks as its requests end, and the
+    next batch at the full size, allocate nothing."""
     with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
         for layer in layers:
             attn = layer.self_attn
             shape = (batch, attn.kv_heads, length, attn.head_dim)
-            old = attn.k_cache
-            if old is not None and old.shape == shape and old.dtype == dtype and old.device == torch.device(device):
-                continue
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            full = attn.kv_rows
+            if full is None or full[0].shape[0] < batch or full[0].shape[1:] != shape[1:] or \
+                    full[0].dtype != dtype or full[0].device != torch.device(device):
+                full = attn.kv_rows = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+            if attn.k_cache is None or attn.k_cache.shape != shape or attn.k_cache.data_ptr() != full[0].data_ptr():
+                # the whole buffer itself, or a view of its first rows (storage offset 0, the buffer's strides)
+                attn.k_cache, attn.v_cache = (t if t.shape[0] == batch else t[:batch] for t in full)
 
 
 class Qwen3(nn.Module):
