@@ -166,13 +166,17 @@ def end_to_end(target, drafter, budget, new_tokens=64, prompt_len=128):
 
 def batched_section(a, target, drafter, out, section, t0):
     """generate_batch compiled, greedy DDTree: tokens/s of 16 requests (prompt 128, 64 new tokens) run --batches at
-    a time, per budget; each batch size is 2 new graphs (prefill and round)."""
+    a time, per budget; each batch size is 2 new graphs (prefill and round), and so is each smaller power of two
+    that a batch moves to as its requests end."""
     prompts = [torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(16)]
     out["batched"] = {}
     for budget in a.batch_budgets:
+        compiled = set()  # batch sizes with graphs at this budget (at most: a batch may not shrink)
         for batch in a.batches:
-            if not section(f"batched B={budget} batch {batch}", graphs=2):
+            sizes = {1 << k for k in range(batch.bit_length()) if 1 << k <= batch} | {batch}
+            if not section(f"batched B={budget} batch {batch}", graphs=2 * len(sizes - compiled)):
                 continue
+            compiled |= sizes
             tps = batched_run(target, drafter, prompts, "ddtree", budget, 64, True, batch, passes=1)
             out["batched"][f"B{budget}-batch{batch}"] = tps
             print(f"generate_batch ddtree B={budget:4d} batch {batch:3d}: {tps:9.1f} tok/s over 16 requests"
