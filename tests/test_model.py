@@ -265,6 +265,29 @@ def test_cached_decode_equals_full_forward(ckpt):
             assert max_diff(logits[0], full[s]) < TOL, f"decode step at position {s}"
 
 
+def test_smaller_batches_use_the_first_rows_of_the_cache_buffers(ckpt):
+    """setup_cache for fewer requests allocates nothing: the caches become the first rows of the layer's buffers
+    (contiguous, offset 0); the full size gets the buffers themselves back; more requests or another length
+    allocate new ones."""
+    path, _ = ckpt("gqa3")
+    m = load(path)
+    m.setup_cache(CACHE, 4)
+    full = list(m.kv_caches())
+    m.setup_cache(CACHE, 2)
+    two = list(m.kv_caches())
+    assert all(t.shape[0] == 2 and t.is_contiguous() and t.data_ptr() == f.data_ptr() and t.storage_offset() == 0
+               for t, f in zip(two, full))
+    assert len({t.data_ptr() for t in full}) == len(full)  # one buffer per K and V of each layer
+    m.setup_cache(CACHE, 2)
+    assert all(a is b for a, b in zip(m.kv_caches(), two))  # the same tensors: compiled graphs hold on to them
+    m.setup_cache(CACHE, 4)
+    assert all(a is b for a, b in zip(m.kv_caches(), full))
+    m.setup_cache(CACHE, 8)
+    assert all(t.shape[0] == 8 and t.data_ptr() != f.data_ptr() for t, f in zip(m.kv_caches(), full))
+    m.setup_cache(CACHE + 128, 1)
+    assert all(t.shape == (1, f.shape[1], CACHE + 128, f.shape[3]) for t, f in zip(m.kv_caches(), full))
+
+
 def test_chunked_prefill_equals_full_forward(ckpt):
     path, _ = ckpt("gqa3")
     m = load(path)
