@@ -427,7 +427,7 @@ class Engine:
         offsets = torch.tensor(starts, device=self.device)
         chunk = PREFILL_CHUNK
         if self.prefill_mask.dense:  # eager, the mask materialized: no graph to keep fixed, so only the rows needed
-            chunk = min(PREFILL_CHUNK, round_up(max(map(len, prompts)), 8))
+            chunk = min(PREFILL_CHUNK, max(map(len, prompts)))
         # [chunks, N, chunk]: each chunk's rows with strides of their own (a compiled step guards on strides, and
         # a slice of [N, chunks x chunk] rows has the longest prompt's, even for N = 1)
         chunks = torch.zeros(round_up(max(map(len, prompts)), chunk) // chunk, self.batch, chunk, dtype=torch.long)
