@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.nn.attention.flex_attention import flex_attention
 
+from tree_attn import prefix_block_mask
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
@@ -229,9 +231,21 @@ def _layer_once(layer, x, cos, sin, cache_pos, mask):
     return layer(x, cos, sin, cache_pos, mask)
 
 
+@torch.compiler.nested_compile_region
+def _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, kv_num_blocks, kv_indices, full_num, full_idx, prefix,
+                            allow):
+    mask = prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow,
+                             layer.self_attn.k_cache.shape[2])
+    return layer(x, cos, sin, cache_pos, mask)
+
+
 def run_layer(layer, x, cos, sin, cache_pos, mask):
     """layer(x, ...), through the layers' one compiled region when compiling (see the switch above)."""
     if COMPILE_LAYERS_ONCE and torch.compiler.is_compiling() and not torch._inductor.config.freezing:
+        if hasattr(mask, "prefix_tensors"):
+            # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the
+            # mask goes in as its tensors and is rebuilt inside, so each distinct layer is traced once.
+            return _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, *mask.prefix_tensors)
         return _layer_once(layer, x, cos, sin, cache_pos, mask)
     return layer(x, cos, sin, cache_pos, mask)
 

@@ -27,6 +27,24 @@ def round_up(n: int, multiple: int = BLOCK) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow, kv_len: int) -> BlockMask:
+    """PrefixMask's BlockMask from its tensors: row q of request b sees the slots before prefix[b] and, among the
+    rows written from prefix[b] on, those that allow[b, q] marks. Also what a compiled layer rebuilds its mask with
+    (model.run_layer), so that the mask reaches it as tensors."""
+    q_len = allow.shape[-1]
+    last = q_len - 1
+
+    def mask_mod(b, h, q, kv):
+        rel = kv - prefix[b]
+        new = (rel >= 0) & (rel <= last)
+        return (kv < prefix[b]) | (new & (allow[b, q.clamp(0, last), rel.clamp(0, last)] != 0))
+
+    block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_num, full_idx, BLOCK_SIZE=BLOCK,
+                                          mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+    block_mask.prefix_tensors = (kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow)
+    return block_mask
+
+
 class PrefixMask:
     """The mask for `q_len` rows written at slots [prefix, prefix + q_len) of a `kv_len`-slot cache, for `batch`
     requests at once: request n has its own prefix[n] and allow[n] (one cache row each). `set` returns what the
@@ -54,17 +72,9 @@ class PrefixMask:
         # mutate inputs they do not know to stay put (they would run the step uncaptured); these never move.
         for t in (self.prefix, self.allow, self.kv_num_blocks):
             torch._dynamo.mark_static_address(t)
-        prefix, allow, last = self.prefix, self.allow, q_len - 1
-
-        def mask_mod(b, h, q, kv):
-            rel = kv - prefix[b]
-            new = (rel >= 0) & (rel <= last)
-            return (kv < prefix[b]) | (new & (allow[b, q.clamp(0, last), rel.clamp(0, last)] != 0))
-
-        self.mask_mod = mask_mod
-        self.block_mask = BlockMask.from_kv_blocks(
-            self.kv_num_blocks, kv_indices, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
-            seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+        self.block_mask = prefix_block_mask(self.kv_num_blocks, kv_indices, full_num, full_idx, self.prefix,
+                                            self.allow, kv_len)
+        self.mask_mod = self.block_mask.mask_mod
 
     def set(self, prefix, allow: torch.Tensor | None = None, slots: int | None = None):
         """Point the mask at new prefix lengths (one per request [N], or an int for all) and, optionally, new allow

@@ -719,6 +719,15 @@ def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     assert len(bodies) == len(m.layers) >= 2 and len(set(bodies)) == 1
     assert max_diff(logits, ref) < 1e-5 and all(max_diff(a, b) < 1e-5 for a, b in zip(caches, ref_caches))
     assert regions(freezing=True)[1] == []
+    # A PrefixMask's BlockMask goes in as its tensors and is rebuilt inside: dynamo traces the region once and
+    # reuses the trace for every later layer (a BlockMask argument would make it trace each layer again).
+    from torch._dynamo.utils import compilation_time_metrics
+    compilation_time_metrics.clear()
+    mask = PrefixMask(12, CACHE, "cpu").set(0, causal(12))
+    logits, bodies, caches = regions()
+    assert len(bodies) == len(m.layers) and len(set(bodies)) == 1
+    assert len(compilation_time_metrics["invoke_subgraph_trace"]) == 1, dict(compilation_time_metrics)
+    assert max_diff(logits, ref) < 1e-5 and all(max_diff(a, b) < 1e-5 for a, b in zip(caches, ref_caches))
     monkeypatch.setattr(model_mod, "COMPILE_LAYERS_ONCE", False)
     logits, bodies, _ = regions()
     assert bodies == [] and max_diff(logits, ref) < 1e-5
