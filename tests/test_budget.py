@@ -155,6 +155,29 @@ def test_probing_picks_the_largest_tree_that_could_win_then_climbs(pair, monkeyp
     assert engine.probe_candidate(first=False) == 6 and engine.probe_candidate(first=True) == 12
 
 
+def test_plain_decoding_starting_a_batch_sizes_the_drafters_caches_too(pair, monkeypatch):
+    """When no speculative candidate is viable, plain decoding starts the batch; the drafter's caches must still be
+    sized for it, whatever batch another engine left them at (the chain may run after a catch-up)."""
+    target, drafter = pair
+    drafter.bind(target)  # as generate_batch does
+    monkeypatch.setattr(AutoBudget, "choose", forced(["ar", "chain", "ar", 6]))
+    engine = ddtree.auto_engine(target, drafter, ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024, False,
+                                False, 4, GRID)
+    engine.calibrated = {"ar": 1.0, "chain": None, "2": None, "6": None, "12": None}
+    engine.viable, engine.warm = ["ar"], True
+    drafter.setup_cache(1024, 2)  # as an engine for 2 requests leaves them
+    prompts = ragged_prompts(4, seed=9)
+    with torch.inference_mode():
+        engine.start(prompts, [0] * 4)
+        assert engine.current.method == "ar"
+        assert all(c.shape[0] == 4 for c in drafter.kv_caches())
+        new = [engine.step() for _ in range(4)]  # plain decoding, a catch-up into the chain, ..., a tree
+    got = [[t for step in new for t in step[i][0]] for i in range(4)]  # after each request's first token
+    lone = [generate(target, None, p, method="ar", max_new_tokens=1 + len(g), stop_ids=[]).tokens
+            for p, g in zip(prompts, got)]
+    assert got == [t[1:] for t in lone] and all(len(g) >= 4 for g in got)
+
+
 def test_bad_budget_values(pair):
     target, drafter = pair
     with pytest.raises(ValueError, match="budget must be a positive integer or 'auto'"):
