@@ -206,8 +206,8 @@ class AutoBudget:
         for estimate in self.tau.values():  # the last run's, as a prior that this run's rounds soon outweigh
             estimate.count = min(estimate.count, PRIOR_ROUNDS)
         # The candidates share the models' caches. Plain decoding starts when no speculative candidate is viable,
-        # and it leaves the drafter's caches as they are: another engine may have sized them for another batch.
-        self.any.drafter.setup_cache(self.any.max_seq_len, self.any.batch)
+        # and it sizes only the target's: another engine may have left the drafter's at another batch size.
+        self.any.setup_caches()
         # A speculative engine prefills (the prompt is the drafter's first context), unless none is viable.
         self.current = self.engines[next((c for c in self.viable if c != "ar"), "ar")]
         first = self.current.start(prompts, seeds)

@@ -247,10 +247,7 @@ class Engine:
         """Prefill the caches with up to `batch` prompts (rows past them run a one-token dummy); returns each
         request's first new token (the prefill's one host read)."""
         n = len(prompts)
-        # The caches are the models': another engine, or a caller, may have resized them since (no-op otherwise).
-        self.target.setup_cache(self.max_seq_len, self.batch)
-        if self.drafter is not None:
-            self.drafter.setup_cache(self.max_seq_len, self.batch)
+        self.setup_caches()
         self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] + \
                           [None] * (self.batch - n)
         self.live = torch.tensor([1] * n + [0] * (self.batch - n), device=self.device)
@@ -282,15 +279,20 @@ class Engine:
         past them are padding, as in start()."""
         caches, token, position, generators = held
         n, pad = len(generators), self.batch - len(generators)
-        self.target.setup_cache(self.max_seq_len, self.batch)
-        if self.drafter is not None:
-            self.drafter.setup_cache(self.max_seq_len, self.batch)
+        self.setup_caches()
         for cache, rows in zip(self.kv_caches(), caches):
             cache[:n, :, :rows.shape[2]].copy_(rows)
         self.token = torch.cat([token, token.new_zeros(pad)])
         self.position = torch.cat([position, position.new_ones(pad)])  # a padding row's one-token dummy prompt
         self.live = torch.tensor([1] * n + [0] * pad, device=self.device)
         self.generators = generators + [None] * pad
+
+    def setup_caches(self):
+        """Size the models' caches for this engine. They are the models', shared by every engine: another engine,
+        or a caller, may have resized them since (a no-op otherwise; a smaller batch takes the first rows)."""
+        self.target.setup_cache(self.max_seq_len, self.batch)
+        if self.drafter is not None:
+            self.drafter.setup_cache(self.max_seq_len, self.batch)
 
     def kv_caches(self):
         yield from self.target.kv_caches()

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, load_weights, run_layer,
-                   parse_device, parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq)
+from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, load_weights,
+                   parse_device, parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq, run_layer)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -95,9 +95,7 @@ class DFlashDrafter(nn.Module):
         allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
 
     def kv_caches(self):
-        for layer in self.layers:
-            yield layer.self_attn.k_cache
-            yield layer.self_attn.v_cache
+        return layer_kv_caches(self.layers)
 
     def append_context(self, features, positions, cache_pos):
         """Write the context K/V of committed tokens: features [N, W, len(ids) * hidden] (the target's chosen-layer

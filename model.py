@@ -428,6 +428,13 @@ def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
                 attn.k_cache, attn.v_cache = (t if t.shape[0] == batch else t[:batch] for t in full)
 
 
+def layer_kv_caches(layers):
+    """Each layer's K and V cache, in order."""
+    for layer in layers:
+        yield layer.self_attn.k_cache
+        yield layer.self_attn.v_cache
+
+
 class Qwen3(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -457,9 +464,7 @@ class Qwen3(nn.Module):
         allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
 
     def kv_caches(self):
-        for layer in self.layers:
-            yield layer.self_attn.k_cache
-            yield layer.self_attn.v_cache
+        return layer_kv_caches(self.layers)
 
     def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=()):
         """tokens, input_pos, cache_pos: [N, Q] int64 (request n's rows, their RoPE positions and cache slots in
