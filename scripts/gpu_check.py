@@ -173,7 +173,7 @@ def batched_section(a, target, drafter, out, section, t0):
     for budget in a.batch_budgets:
         compiled = set()  # batch sizes with graphs at this budget (at most: a batch may not shrink)
         for batch in a.batches:
-            sizes = {1 << k for k in range(batch.bit_length()) if 1 << k <= batch} | {batch}
+            sizes = {1 << k for k in range(batch.bit_length())} | {batch}  # itself and each power of two below
             if not section(f"batched B={budget} batch {batch}", graphs=2 * len(sizes - compiled)):
                 continue
             compiled |= sizes
