@@ -197,19 +197,25 @@ class Linear(nn.Linear):
 
 
 # Few-row matmuls of frozen CPU graphs (docs/compile.md, "Few-row matmuls on CPU"). Inductor lowers a frozen fp32
-# matmul to MKL's packed sgemm or its C++ GEMM template, whichever it measures faster, and both read the weights
-# well below memory bandwidth at 5-17 rows, while oneDNN on a prepacked weight reads them near it (bf16 weights
-# already go to oneDNN). A weight prepacked outside the graph is a graph constant under freezing, and inductor
-# then autotunes oneDNN against its template for each shape. So compile="max-autotune" engines on the CPU prepack
-# their models' linears once (the packed copies are kept beside the weights and reused by every engine while the
-# weights are unchanged), and Linear uses them only inside frozen graphs.
+# matmul to MKL's packed sgemm or its C++ GEMM template, whichever it measures faster, and both read the weights well
+# below memory bandwidth at 5-17 rows, while oneDNN on a prepacked weight reads them near it (bf16 weights already go
+# to oneDNN where the CPU has its bf16 instructions: prepack_dtypes). A weight prepacked outside the graph is a graph
+# constant under freezing, and inductor then autotunes oneDNN against its template for each shape. So
+# compile="max-autotune" engines on the CPU prepack their models' linears once (the packed copies are kept beside the
+# weights and reused by every engine while the weights are unchanged), and Linear uses them only inside frozen graphs.
+def prepack_dtypes() -> tuple:
+    """The weight dtypes oneDNN can prepack on this CPU: bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and
+    without them the reorder fails (an AVX2-only EPYC here); such bf16 weights keep the matmul inductor picks."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
 def prepack_linears(module: nn.Module):
-    """Give every Linear of `module` (fp32 or bf16, on the CPU) its weight in oneDNN's blocked layout, unless the
+    """Give every Linear of `module` (on the CPU, in a dtype of prepack_dtypes()) its weight in oneDNN's blocked layout, unless the
     copy it has was packed from the same, unchanged weight (a new copy would make other engines' graphs
     recompile: dynamo guards on it)."""
     for m in module.modules():
         w = m.weight if isinstance(m, Linear) else None
-        if w is None or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        if w is None or w.device.type != "cpu" or w.dtype not in prepack_dtypes():
             continue
         source = (w.data_ptr(), None if w.is_inference() else w._version)  # inference tensors keep no version
         if m.packed is None or m.packed_from != source:
