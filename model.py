@@ -8,6 +8,7 @@ batch of independent requests (each with its own rows, positions, slots and cach
 one buffer per layer with a row per request. Config and modules come first, then loading (files, hub, weights).
 """
 
+import functools
 import json
 import os
 import re
@@ -203,16 +204,18 @@ class Linear(nn.Linear):
 # constant under freezing, and inductor then autotunes oneDNN against its template for each shape. So
 # compile="max-autotune" engines on the CPU prepack their models' linears once (the packed copies are kept beside the
 # weights and reused by every engine while the weights are unchanged), and Linear uses them only inside frozen graphs.
+@functools.cache
 def prepack_dtypes() -> tuple:
-    """The weight dtypes oneDNN can prepack on this CPU: bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and
-    without them the reorder fails (an AVX2-only EPYC here); such bf16 weights keep the matmul inductor picks."""
+    """The weight dtypes oneDNN can prepack on this CPU, asked once per process: bf16 needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and without them the reorder fails (an AVX2-only EPYC here); such bf16 weights keep the matmul
+    inductor picks."""
     return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 def prepack_linears(module: nn.Module):
-    """Give every Linear of `module` (on the CPU, in a dtype of prepack_dtypes()) its weight in oneDNN's blocked layout, unless the
-    copy it has was packed from the same, unchanged weight (a new copy would make other engines' graphs
-    recompile: dynamo guards on it)."""
+    """Give every Linear of `module` (on the CPU, in a dtype of prepack_dtypes()) its weight in oneDNN's blocked
+    layout, unless the copy it has was packed from the same, unchanged weight (a new copy would make other engines'
+    graphs recompile: dynamo guards on it)."""
     for m in module.modules():
         w = m.weight if isinstance(m, Linear) else None
         if w is None or w.device.type != "cpu" or w.dtype not in prepack_dtypes():
