@@ -63,8 +63,9 @@ def device_name(device: torch.device) -> str:
 
 
 # Raised when the engine's own round costs change (a calibration made before is measured again): 2 since the
-# oneDNN copies of the weights made few-row matmuls cheaper under compile="max-autotune" on the CPU.
-COSTS_VERSION = 2
+# oneDNN copies of the weights made few-row matmuls cheaper under compile="max-autotune" on the CPU, 3 since
+# compiled steps after a run's first skip most of dynamo's guards (Engine.guard_stance).
+COSTS_VERSION = 3
 
 
 def cost_key(engine) -> str:

@@ -17,6 +17,7 @@ docs/round.md walks through one round with a picture of its tree and mask.
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import numbers
@@ -248,6 +249,7 @@ class Engine:
         request's first new token (the prefill's one host read)."""
         n = len(prompts)
         self.setup_caches()
+        self.guards_checked = False
         self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] + \
                           [None] * (self.batch - n)
         self.live = torch.tensor([1] * n + [0] * (self.batch - n), device=self.device)
@@ -280,6 +282,7 @@ class Engine:
         caches, token, position, generators = held
         n, pad = len(generators), self.batch - len(generators)
         self.setup_caches()
+        self.guards_checked = False
         for cache, rows in zip(self.kv_caches(), caches):
             cache[:n, :, :rows.shape[2]].copy_(rows)
         self.token = torch.cat([token, token.new_zeros(pad)])
@@ -305,7 +308,9 @@ class Engine:
         read."""
         # Under CUDA graphs a call's outputs live in the graph's memory pool, which the next replay overwrites:
         # feed back a copy of the token (as gpt-fast does), never the output itself.
-        rows, length, token, ok, tree, tally = self.round(self.token.clone(), self.position, *self.randomness())
+        with self.guard_stance():
+            rows, length, token, ok, tree, tally = self.round(self.token.clone(), self.position, *self.randomness())
+        self.guards_checked = True
         out = torch.cat([rows.flatten(), length, token, ok.long()] + ([] if tally is None else [tally.flatten()]))
         out = out.tolist()
         width, b = rows.shape[1], self.batch
@@ -323,6 +328,15 @@ class Engine:
             new.append((row[1:] + [tokens[i]],
                         None if tree is None else tuple(t[i].clone() for t in tree) + (lengths[i],)))
         return new
+
+    def guard_stance(self):
+        """Dynamo's guards for this step (docs/compile.md, "Guards checked once per run"): all of them at the first
+        step after start, resume or adopt; after it only those that tell the compiled graphs apart (every tensor
+        that is not a parameter, and whatever once made a graph recompile). A compiled step sees the same objects
+        and shapes at every round of a run, so the rest would give the same answer each time."""
+        if not (self.compiled and self.guards_checked):
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
     # -- one speculative round: draft -> tree -> verify -> accept -> commit --------------------------------------
 
@@ -523,6 +537,7 @@ class Engine:
         self.compiled = compile
         self.tally_budgets = tally_budgets  # budget auto: smaller budgets whose acceptance each round reports
         self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
+        self.guards_checked = False  # whether this run's first step checked every guard (guard_stance)
         # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
         # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
@@ -577,6 +592,7 @@ class Engine:
         shared (same slots and batch), so the requests' state is all there is to hand over."""
         self.token, self.position, self.generators, self.live = other.token, other.position, other.generators, \
             other.live
+        self.guards_checked = False
 
     def warm_up(self) -> float:
         """Compile a new compiled engine's steps by running each once on a one-token dummy request; returns the

@@ -309,3 +309,34 @@ def test_compiled_engines_run_their_own_models(files, models, tmp_path, mode=Tru
     for t in (target, other, target):
         assert greedy(t, drafters[5], prompt, compile=mode, **kw).tokens == eager[id(t)]
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+
+
+def test_guards_are_checked_at_each_runs_first_step(files, models, tmp_path, monkeypatch):
+    # After a run's first step, a compiled engine's steps check only the guards that tell graphs apart
+    # (Engine.guard_stance). Two targets with the same weights whose graphs differ only in a constant (the norms'
+    # eps, folded into the graph; the weights are graph inputs, shared): each run's first step checks every guard,
+    # so each compiled run recompiles or picks its own graph and gives its own eager tokens, alternated; once both
+    # are compiled nothing recompiles. A run of R rounds skips the guards at R - 1 of them, and eager runs never.
+    from torch._dynamo.utils import counters
+    _, tc = files
+    save_checkpoint(str(tmp_path / "eps"), dict(tc, rms_norm_eps=0.5), random_qwen3_weights(tc, std=0.35),
+                    eos_ids=[1])
+    target, _ = models
+    other = Qwen3.from_pretrained(str(tmp_path / "eps"), device="cpu")
+    prompt = prompts(1, seed=23)[0]
+    eager = {id(t): greedy(t, None, prompt, method="ar", max_new_tokens=16).tokens for t in (target, other)}
+    assert eager[id(target)] != eager[id(other)]
+    skipped, set_stance = [], torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: skipped.append(k) or set_stance(*a, **k))
+    for t in (target, other):
+        assert greedy(t, None, prompt, method="ar", max_new_tokens=16, compile=True).tokens == eager[id(t)]
+    counters.clear()
+    for t in (target, other, target, other):
+        skipped.clear()
+        res = greedy(t, None, prompt, method="ar", max_new_tokens=16, compile=True)
+        assert res.tokens == eager[id(t)]
+        assert skipped == [{"skip_guard_eval_unsafe": True}] * (res.stats["rounds"] - 1)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    skipped.clear()
+    greedy(other, None, prompt, method="ar", max_new_tokens=16)
+    assert skipped == []
