@@ -64,7 +64,7 @@ def device_name(device: torch.device) -> str:
 
 # Raised when the engine's own round costs change (a calibration made before is measured again): 2 since the
 # oneDNN copies of the weights made few-row matmuls cheaper under compile="max-autotune" on the CPU, 3 since
-# compiled steps after a run's first skip most of dynamo's guards (Engine.guard_stance).
+# compiled steps after a run's first skip most of dynamo's guards (Engine.run_round).
 COSTS_VERSION = 3
 
 

@@ -308,9 +308,7 @@ class Engine:
         read."""
         # Under CUDA graphs a call's outputs live in the graph's memory pool, which the next replay overwrites:
         # feed back a copy of the token (as gpt-fast does), never the output itself.
-        with self.guard_stance():
-            rows, length, token, ok, tree, tally = self.round(self.token.clone(), self.position, *self.randomness())
-        self.guards_checked = True
+        rows, length, token, ok, tree, tally = self.run_round(self.token.clone(), self.position, *self.randomness())
         out = torch.cat([rows.flatten(), length, token, ok.long()] + ([] if tally is None else [tally.flatten()]))
         out = out.tolist()
         width, b = rows.shape[1], self.batch
@@ -329,14 +327,16 @@ class Engine:
                         None if tree is None else tuple(t[i].clone() for t in tree) + (lengths[i],)))
         return new
 
-    def guard_stance(self):
-        """Dynamo's guards for this step (docs/compile.md, "Guards checked once per run"): all of them at the first
-        step after start, resume or adopt; after it only those that tell the compiled graphs apart (every tensor
-        that is not a parameter, and whatever once made a graph recompile). A compiled step sees the same objects
-        and shapes at every round of a run, so the rest would give the same answer each time."""
-        if not (self.compiled and self.guards_checked):
-            return contextlib.nullcontext()
-        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+    def run_round(self, *args):
+        """self.round(*args) with dynamo's guards (docs/compile.md, "Guards checked once per run"): all of them at
+        the first step after start, resume or adopt; after it only those that tell the compiled graphs apart
+        (every tensor that is not a parameter, and whatever once made a graph recompile). A compiled step sees the
+        same objects and shapes at every round of a run, so the rest would give the same answer each time."""
+        skip = self.compiled and self.guards_checked
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext():
+            out = self.round(*args)
+        self.guards_checked = True
+        return out
 
     # -- one speculative round: draft -> tree -> verify -> accept -> commit --------------------------------------
 
@@ -537,7 +537,7 @@ class Engine:
         self.compiled = compile
         self.tally_budgets = tally_budgets  # budget auto: smaller budgets whose acceptance each round reports
         self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
-        self.guards_checked = False  # whether this run's first step checked every guard (guard_stance)
+        self.guards_checked = False  # whether this run's first step checked every guard (run_round)
         # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
         # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;

@@ -122,13 +122,8 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     if compile:
         # The whole round compiled: what it costs beyond the forwards is the real tree overhead. They are timed
         # interleaved (round, draft, context, verify, round, ...) so a noisy machine shifts all of them alike.
-        def whole_round():  # as Engine.step runs it: every guard at the first call, then those that tell graphs apart
-            with engine.guard_stance():
-                out = engine.round(bonus, start, None, None, None)
-            engine.guards_checked = True
-            return out
-
-        stages = [whole_round, lambda: draft(bonus, start),
+        # (the round as Engine.step runs it: every guard at its first call, then only those that tell graphs apart)
+        stages = [lambda: engine.run_round(bonus, start, None, None, None), lambda: draft(bonus, start),
                   lambda: context(start, feats, positions), lambda: verify(bonus, tokens, depths, start, parents, mask)]
         whole, fwd_d, fwd_c, fwd_v = interleaved(stages, dev, 3 * repeats)
         ms["round"] = whole

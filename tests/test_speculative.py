@@ -313,7 +313,7 @@ def test_compiled_engines_run_their_own_models(files, models, tmp_path, mode=Tru
 
 def test_guards_are_checked_at_each_runs_first_step(files, models, tmp_path, monkeypatch):
     # After a run's first step, a compiled engine's steps check only the guards that tell graphs apart
-    # (Engine.guard_stance). Two targets with the same weights whose graphs differ only in a constant (the norms'
+    # (Engine.run_round). Two targets with the same weights whose graphs differ only in a constant (the norms'
     # eps, folded into the graph; the weights are graph inputs, shared): each run's first step checks every guard,
     # so each compiled run recompiles or picks its own graph and gives its own eager tokens, alternated; once both
     # are compiled nothing recompiles. A run of R rounds skips the guards at R - 1 of them, and eager runs never.
