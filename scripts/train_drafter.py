@@ -48,7 +48,7 @@ for p in (HERE, ROOT):
 
 from checkpoints import (add_training_options, load_train_state, save_checkpoint, save_train_state,  # noqa: E402
                          stdlib_files, zlab_config, zlab_weights)
-from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
+from drafter import DFlashConfig, DFlashDrafter, check_pair  # noqa: E402
 from model import Qwen3, apply_rope, read_json, rope_cos_sin  # noqa: E402
 from train_target import HELD_OUT_EVERY, build_stream, forward_batch, greedy_continue, init_weights, lr_at  # noqa: E402
 
@@ -389,6 +389,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-lengths", default="64,128,192,256", help="held-out context lengths for evaluation")
     p.add_argument("--steps", type=int, default=550, help="length of the run (the LR schedule)")
     p.add_argument("--stop-at", type=int, default=0, help="stop (save, export) at this step; rerun to continue")
+    p.add_argument("--init", default="", help="start from this drafter's weights and shape (a z-lab-layout directory), "
+                   "with a fresh optimizer and LR schedule; --layers, --inter, --block-size, --target-layers are "
+                   "then the checkpoint's")
     add_training_options(p, lr=2e-3, weight_decay=0.01)
     return p.parse_args(argv)
 
@@ -401,7 +404,6 @@ def main(argv=None):
     t_start = time.time()
     os.makedirs(a.out, exist_ok=True)
     bs = a.block_size
-    a.gamma = a.gamma or bs / 2
     if a.kl_weight is None:
         a.kl_weight = 1.0 if a.objective == "diffusion" else 0.0
     target = Qwen3.from_pretrained(a.target, device="cpu", dtype=torch.float32)
@@ -412,12 +414,29 @@ def main(argv=None):
     if mask_id is None:
         raise SystemExit(f"{a.target}: the tokenizer has no <|mask|> token")
     target_cfg = read_json(os.path.join(a.target, "config.json"))
-    layer_ids = [int(x) for x in a.target_layers.split(",")]
-    config = zlab_config(target_cfg, a.layers, bs, mask_id, layer_ids, a.inter or None)
-    drafter = DFlashDrafter(DFlashConfig.from_dict(config))
-    init_weights(drafter, a.seed)
+    if a.init:
+        config = read_json(os.path.join(a.init, "config.json"))
+        drafter = DFlashDrafter.from_pretrained(a.init, device="cpu", dtype=torch.float32)
+        bs = a.block_size = drafter.block_size
+        a.layers, a.inter = len(drafter.layers), config["intermediate_size"]
+        a.target_layers = ",".join(str(i) for i in drafter.config.target_layer_ids)
+        if config["dflash_config"]["mask_token_id"] != mask_id:
+            raise SystemExit(f"{a.init}: mask token {config['dflash_config']['mask_token_id']} is not the "
+                             f"target tokenizer's <|mask|> ({mask_id})")
+    else:
+        layer_ids = [int(x) for x in a.target_layers.split(",")]
+        config = zlab_config(target_cfg, a.layers, bs, mask_id, layer_ids, a.inter or None)
+        drafter = DFlashDrafter(DFlashConfig.from_dict(config))
+        init_weights(drafter, a.seed)
+    a.gamma = a.gamma or bs / 2
     drafter.inv_freq = drafter.inv_freq.to(torch.float32)
     drafter.bind(target)
+    try:
+        check_pair(target, drafter)
+    except ValueError as e:
+        raise SystemExit(f"{a.init or 'the drafter'}: {e}")
+    for p in drafter.parameters():
+        p.requires_grad_(True)
     data = prepare_data(a, target, tok, bs)
     evaluator = Evaluator(target, drafter, data["eval_tokens"], data["eval_anchors"], bs, mask_id)
     stream, greedy = data["stream"], data["greedy"]

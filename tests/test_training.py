@@ -271,6 +271,18 @@ def test_scripts_train_save_reload_decode_and_resume(tmp_path):
         res = generate(target, drafter, prompt, method=method, budget=8 if method == "ddtree" else None,
                        max_new_tokens=12, stop_ids=[])
         assert res.tokens == ar, method
+    # --init fine-tunes from the exported drafter: its shape is the checkpoint's (not these defaults), and its
+    # step-0 evaluation (same seed, so the same held-out contexts) is the source run's last one
+    tuned = str(tmp_path / "tuned")
+    train_drafter.main(["--target", final_t, "--out", tuned, "--init", os.path.join(ddir, "final"), "--seq", "48",
+                        "--batch", "2", "--anchors", "4", "--greedy-seqs", "4", "--prompt-len", "16",
+                        "--eval-contexts", "4", "--eval-lengths", "16,24", "--eval-every", "2", "--save-every",
+                        "2", "--steps", "2"] + common)
+    log = json.load(open(os.path.join(tuned, "state.json")))["log"]
+    assert (log[0]["acc"], log[0]["eval_ce"]) == (state["log"][-1]["acc"], state["log"][-1]["eval_ce"])
+    tuned_config = json.load(open(os.path.join(tuned, "final", "config.json")))
+    assert {k: v for k, v in tuned_config.items() if k != "torch_dtype"} == \
+        {k: v for k, v in config.items() if k != "torch_dtype"}
 
 
 def train_target_token(path, token):
