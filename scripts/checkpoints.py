@@ -191,7 +191,7 @@ def add_training_options(p, lr: float, weight_decay: float, bf16_help: str | Non
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=weight_decay)
     # bf16 autocast pays only where oneDNN has bf16 kernels (AVX-512 and newer); on an AVX2-only CPU the same
-    # drafter step took 26 s in bf16 against 1.2 s in fp32 (torch 2.13, 2 threads), so the default follows the CPU
+    # drafter step took 26 s in bf16 against 1.2-1.4 s in fp32 (torch 2.13, 2 threads), so the default follows the CPU
     fast_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=fast_bf16,
                    help=f"{bf16_help or 'bf16 autocast'} (default: {'on' if fast_bf16 else 'off'} on this CPU: on "

@@ -418,11 +418,11 @@ def main(argv=None):
         config = read_json(os.path.join(a.init, "config.json"))
         drafter = DFlashDrafter.from_pretrained(a.init, device="cpu", dtype=torch.float32)
         bs = a.block_size = drafter.block_size
-        a.layers, a.inter = len(drafter.layers), config["intermediate_size"]
+        a.layers, a.inter = len(drafter.layers), drafter.config.model.intermediate_size
         a.target_layers = ",".join(str(i) for i in drafter.config.target_layer_ids)
-        if config["dflash_config"]["mask_token_id"] != mask_id:
-            raise SystemExit(f"{a.init}: mask token {config['dflash_config']['mask_token_id']} is not the "
-                             f"target tokenizer's <|mask|> ({mask_id})")
+        if drafter.config.mask_token_id != mask_id:
+            raise SystemExit(f"{a.init}: mask token {drafter.config.mask_token_id} is not the target tokenizer's "
+                             f"<|mask|> ({mask_id})")
     else:
         layer_ids = [int(x) for x in a.target_layers.split(",")]
         config = zlab_config(target_cfg, a.layers, bs, mask_id, layer_ids, a.inter or None)
@@ -435,8 +435,6 @@ def main(argv=None):
         check_pair(target, drafter)
     except ValueError as e:
         raise SystemExit(f"{a.init or 'the drafter'}: {e}")
-    for p in drafter.parameters():
-        p.requires_grad_(True)
     data = prepare_data(a, target, tok, bs)
     evaluator = Evaluator(target, drafter, data["eval_tokens"], data["eval_anchors"], bs, mask_id)
     stream, greedy = data["stream"], data["greedy"]
