@@ -342,11 +342,11 @@ class Engine:
 
     def _round(self, bonus, start, noise, accept_u, draft_noise):
         """bonus: [N] the last token the target chose for each request, not yet in its cache; start: [N], its
-        position (= the request's committed length). Returns the committed rows' tokens [N, L + 1] (valid up to
-        `length`), length [N], the next bonus [N], whether each request's logits and draws were sound
-        (Engine.pick), the trees with show_tree, and for budget auto what smaller budgets and the chain would have
-        accepted (Engine.tally)."""
-        # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [N, L, V].
+        position (= the request's committed length). Returns the committed rows' tokens [N, D + 1] (D = self.reach,
+        the deepest the tree can go; valid up to `length`), length [N], the next bonus [N], whether each request's
+        logits and draws were sound (Engine.pick), the trees with show_tree, and for budget auto what smaller
+        budgets and the chain would have accepted (Engine.tally)."""
+        # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [N, D, V] (D <= L).
         draft_logits = self.draft(bonus, start)
         # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
         tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
@@ -362,7 +362,7 @@ class Engine:
         return rows.gather(1, path), length, next_token, ok, tree, tally
 
     def draft(self, bonus, start):
-        return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.spec.denoise_steps)
+        return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.spec.denoise_steps, self.reach)
 
     def propose(self, draft_logits, draft_noise):
         """(tokens, parents, depths, q), each [N, nodes]: the nodes in parent-first order; q the warped draft law
@@ -379,7 +379,7 @@ class Engine:
         return draft_logits.argmax(-1), chain_parents, depths, None
 
     def tree_mask(self, start, parents):
-        return self.verify_mask.set(start, ancestor_matrix(parents, self.depth, dtype=torch.uint8))
+        return self.verify_mask.set(start, ancestor_matrix(parents, self.reach, dtype=torch.uint8))
 
     def verify(self, bonus, tokens, depths, start, mask):
         """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row."""
@@ -390,7 +390,7 @@ class Engine:
         return rows, positions, logits, features
 
     def accept(self, logits, tokens, parents, q, noise, accept_u):
-        """(path [N, L + 1] of accepted rows from the root, length [N], next bonus [N], sound [N]), by the rule that
+        """(path [N, D + 1] of accepted rows from the root, length [N], next bonus [N], sound [N]), by the rule that
         keeps the target's law: sampled chain drafts by min(1, p/q) with the residual, deterministic drafts by the
         target's own choices (argmax or a warped sample at every row) walked down the tree."""
         if self.spec.draft_sampling:
@@ -400,7 +400,7 @@ class Engine:
             path = torch.arange(self.depth + 1, device=logits.device).expand(logits.shape[0], -1)
             return path, accepted + 1, next_token, ok
         choices, ok = self.pick(logits, noise)
-        return (*walk_tree(parents, tokens, choices, self.depth), ok)
+        return (*walk_tree(parents, tokens, choices, self.reach), ok)
 
     def commit(self, start, path, positions, features):
         compact_kv(self.target.kv_caches(), start, path)
@@ -420,7 +420,7 @@ class Engine:
     def extend_context(self, start, features, positions):
         """The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
         computes it inside the drafter pass), in the slots after `start`."""
-        slots = start[:, None] + torch.arange(self.depth + 1, device=features.device)
+        slots = start[:, None] + torch.arange(self.reach + 1, device=features.device)
         self.drafter.append_context(features, positions, slots)
 
     # -- plain decoding and the prefill -------------------------------------------------------------------------
@@ -562,6 +562,9 @@ class Engine:
             self.feature_layers = tuple(drafter.config.target_layer_ids)
             self.depth = drafter.block_size - 1  # L: draft positions per round
             self.nodes = spec.budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
+            # How deep a round's tree can reach: a tree of B nodes is at most B deep, so a small budget drafts,
+            # walks and commits fewer rows. Budget auto's tally reads the chain's L drafts and paths as long.
+            self.reach = self.depth if tally_budgets else min(self.nodes, self.depth)
             self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch)
             self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
             self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense, batch)

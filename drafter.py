@@ -106,19 +106,23 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.write_kv(ctx, cos, sin, cache_pos)
 
-    def forward(self, block_tokens, positions, cache_pos, block_mask):
-        """One denoising pass over blocks [N, block_size] -> float32 logits [N, block_size, vocab] (row k predicts
-        the token at position start + k; row 0 is the bonus's own row and is not a prediction)."""
+    def forward(self, block_tokens, positions, cache_pos, block_mask, rows: slice = slice(None)):
+        """One denoising pass over blocks [N, block_size] -> float32 logits [N, block_size, vocab] of the block's
+        `rows` (row k predicts the token at position start + k; row 0 is the bonus's own row and is not a
+        prediction)."""
         embed, lm_head = self.target_parts
         x = embed(block_tokens)
         cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, x.dtype))
         for layer in self.layers:
             x = run_layer(layer, x, cos, sin, cache_pos, block_mask)
-        return lm_head(self.norm(x)).float()
+        return lm_head(self.norm(x[:, rows])).float()
 
-    def draft(self, bonus, start, block_mask, denoise_steps: int = 1):
-        """Per-position draft logits [N, block_size - 1, vocab] for the positions after each request's bonus [N]
-        at start [N].
+    def draft(self, bonus, start, block_mask, denoise_steps: int = 1, length: int | None = None):
+        """Per-position draft logits [N, length, vocab] for the first `length` (default and at most
+        block_size - 1) positions after each request's bonus [N] at start [N]. A shorter length changes no logit:
+        every row of the block still runs through every layer (the rows see each other), and only the unused
+        rows' final norm and lm_head are skipped; a tree of B nodes is at most B deep, so ddtree needs only
+        min(B, block_size - 1) of them.
 
         `block_mask` must let request n's block see slots [0, start[n] + block_size) (tree_attn.PrefixMask with
         all-ones allow). With denoise_steps T > 1, each pass unmasks the most confident still-masked positions
@@ -130,9 +134,9 @@ class DFlashDrafter(nn.Module):
         pos = start[:, None] + torch.arange(bs, device=bonus.device)
         masks = torch.full((n, bs - 1), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
         tokens = torch.cat([bonus[:, None], masks], dim=1)
-        logits = self(tokens, pos, pos, block_mask)[:, 1:]
         if denoise_steps == 1:
-            return logits
+            return self(tokens, pos, pos, block_mask, rows=slice(1, 1 + (length or bs - 1)))
+        logits = self(tokens, pos, pos, block_mask)[:, 1:]
         masked = torch.ones(n, bs - 1, dtype=torch.bool, device=bonus.device)
 
         def decided_after(passes):  # an equal share of the block is decided by each pass
@@ -146,7 +150,7 @@ class DFlashDrafter(nn.Module):
             masked = masked & ~chosen
             new = self(tokens, pos, pos, block_mask)[:, 1:]
             logits = torch.where(masked[..., None], new, logits)
-        return logits
+        return logits[:, :length]
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, device=None, dtype=None) -> "DFlashDrafter":

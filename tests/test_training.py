@@ -181,6 +181,10 @@ def test_drafter_training_forward_equals_draft(pair):
                 drafter.append_context(ctx[None], torch.arange(a)[None], torch.arange(a)[None])  # a batch of one
                 ref = drafter.draft(tokens[b, a:a + 1], torch.tensor([a]), draft_mask.set(a))[0]
             assert (logits[b, j * bs + 1:(j + 1) * bs] - ref).abs().max() < TOL, (b, a)
+            with torch.no_grad():  # the first `length` positions alone (a small budget's): the same logits
+                for length in range(1, bs - 1):
+                    first = drafter.draft(tokens[b, a:a + 1], torch.tensor([a]), draft_mask.set(a), length=length)
+                    assert first.shape[1] == length and (first[0] - ref[:length]).abs().max() < TOL, (b, a, length)
 
 
 def drafter_args(objective, **kw):
