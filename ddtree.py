@@ -51,8 +51,10 @@ EAGER_CPU_ATTENTION = "sdpa"  # eager CPU engines: "sdpa" (the mask materialized
 # compile="max-autotune" on the CPU: the engine freezes its weights into its own graphs and lets inductor's autotuner
 # give each matmul its C++ GEMM template (weights prepacked, register-blocked for the row count) where that beats
 # aten's sgemm: the few rows of a draft or a small verify run ~3x faster, at the price of longer compiles
-# (docs/compile.md, "Few-row matmuls on CPU"). On CUDA it is torch.compile's mode of that name.
-CPU_AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# (docs/compile.md, "Few-row matmuls on CPU"). The graphs' kernels are called from C++ (cpp_wrapper), not from
+# a Python function, which a round of ~110 kernels notices. On CUDA it is torch.compile's mode of that name.
+CPU_AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                        "cpp_wrapper": True}
 DEFAULT_TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-target")
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-draft")
 INT64_MAX = 2**63 - 1
