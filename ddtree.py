@@ -334,8 +334,12 @@ class Engine:
         the first step after start, resume or adopt; after it only those that tell the compiled graphs apart
         (every tensor that is not a parameter, and whatever once made a graph recompile). A compiled step sees the
         same objects and shapes at every round of a run, so the rest would give the same answer each time."""
-        skip = self.compiled and self.guards_checked
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext():
+        if self.compiled and self.guards_checked:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self.round(*args)
+        # Only a step that checks every guard can compile (at a skipped one a recompile is an error), so only it
+        # needs a frozen engine's inductor options (compile_frozen), which cost ~35 us a call to set.
+        with torch._inductor.config.patch(self.compile_options) if self.compile_options else contextlib.nullcontext():
             out = self.round(*args)
         self.guards_checked = True
         return out
@@ -540,6 +544,7 @@ class Engine:
         self.tally_budgets = tally_budgets  # budget auto: smaller budgets whose acceptance each round reports
         self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
         self.guards_checked = False  # whether this run's first step checked every guard (run_round)
+        self.compile_options = {}  # inductor options of the round's compiles (run_round)
         # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
         # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
@@ -585,7 +590,7 @@ class Engine:
                 for model in (target, drafter):
                     if model is not None:
                         prepack_linears(model)
-                self.round = compile_frozen(self.round)
+                self.round, self.compile_options = compile_frozen(self.round), CPU_AUTOTUNE_OPTIONS
             else:  # CUDA graphs where available ("max-autotune" includes them)
                 mode = None if self.device.type == "cpu" else ("reduce-overhead" if compile is True else compile)
                 self.round = torch.compile(self.round, dynamic=False, fullgraph=True, mode=mode)
@@ -623,17 +628,13 @@ def start_cpu_isa_probe():
 
 
 def compile_frozen(step):
-    """`step` compiled under CPU_AUTOTUNE_OPTIONS, its weights frozen into its graphs. It is compiled as a closure:
+    """`step` compiled to run under CPU_AUTOTUNE_OPTIONS, its weights frozen into its graphs. It is compiled as a closure:
     dynamo then reaches the weights through the closure, inlines them as constants and guards on this engine's
     step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first call (and
     at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze (torch
-    2.13): so the options are set around each call, and nothing else in the process sees them."""
-    compiled = torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
-
-    def run(*args):
-        with torch._inductor.config.patch(CPU_AUTOTUNE_OPTIONS):
-            return compiled(*args)
-    return run
+    2.13): so the engine sets the options around each call that may compile (Engine.run_round), and nothing else
+    in the process sees them."""
+    return torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
 
 
 _ENGINES: dict = {}

@@ -19,7 +19,8 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
         sys.path.insert(0, p)
 from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint, stdlib_files  # noqa: E402
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
-from ddtree import Engine, Speculation, cache_length, compile_frozen, generate, generate_batch  # noqa: E402
+from ddtree import (CPU_AUTOTUNE_OPTIONS, Engine, Speculation, cache_length, compile_frozen, generate,  # noqa: E402
+                    generate_batch)
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
@@ -66,6 +67,21 @@ def save_random_target(path, vocab, hidden, layers) -> dict:
     return tc
 
 
+def frozen_stage(f):
+    """f compiled as a frozen engine compiles its round, and called as Engine.run_round calls it: the first call
+    (the compile) under CPU_AUTOTUNE_OPTIONS, the later ones skipping the guards (a recompile there is an error)."""
+    compiled, first = compile_frozen(f), [True]
+
+    def run(*args):
+        if first:
+            first.clear()
+            with torch._inductor.config.patch(CPU_AUTOTUNE_OPTIONS):
+                return compiled(*args)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return compiled(*args)
+    return run
+
+
 @torch.inference_mode()
 def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     """Per-stage milliseconds of one round after a real prefill, for one budget.
@@ -88,13 +104,13 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     frozen = compile == "max-autotune" and dev.type == "cpu"
     draft = engine.draft
     if compile:  # engine.round is compiled already, as the engine runs it; the stages are compiled the same way
-        stage = compile_frozen if frozen else lambda f: torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
+        stage = frozen_stage if frozen else lambda f: torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
         draft, context = stage(engine.draft), stage(context)
     # verify(bonus, tokens, depths, start, parents, mask). A frozen graph takes the tensors of a mask passed in
     # for constants, and FlexAttention then fails to lower (torch 2.13): the frozen verify stage builds its mask
     # from the parents inside, as the round does, so its time includes the mask's.
     if frozen:
-        masked = compile_frozen(lambda b, t, d, s, p: engine.verify(b, t, d, s, engine.tree_mask(s, p)))
+        masked = frozen_stage(lambda b, t, d, s, p: engine.verify(b, t, d, s, engine.tree_mask(s, p)))
         verify = lambda b, t, d, s, p, mask: masked(b, t, d, s, p)  # noqa: E731
     else:
         forward = torch.compile(engine.verify, dynamic=False, fullgraph=True, mode=mode) if compile else engine.verify
