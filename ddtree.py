@@ -628,9 +628,9 @@ def start_cpu_isa_probe():
 
 
 def compile_frozen(step):
-    """`step` compiled to run under CPU_AUTOTUNE_OPTIONS, its weights frozen into its graphs. It is compiled as a closure:
-    dynamo then reaches the weights through the closure, inlines them as constants and guards on this engine's
-    step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first call (and
+    """`step` compiled to run under CPU_AUTOTUNE_OPTIONS, its weights frozen into its graphs. It is compiled as a
+    closure: dynamo then reaches the weights through the closure, inlines them as constants and guards on this
+    engine's step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first call (and
     at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze (torch
     2.13): so the engine sets the options around each call that may compile (Engine.run_round), and nothing else
     in the process sees them."""
