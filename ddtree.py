@@ -52,7 +52,7 @@ EAGER_CPU_ATTENTION = "sdpa"  # eager CPU engines: "sdpa" (the mask materialized
 # give each matmul its C++ GEMM template (weights prepacked, register-blocked for the row count) where that beats
 # aten's sgemm: the few rows of a draft or a small verify run ~3x faster, at the price of longer compiles
 # (docs/compile.md, "Few-row matmuls on CPU"). The graphs' kernels are called from C++ (cpp_wrapper), not from
-# a Python function, which a round of ~110 kernels notices. On CUDA it is torch.compile's mode of that name.
+# a Python function: a round calls many small kernels. On CUDA it is torch.compile's mode of that name.
 CPU_AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                         "cpp_wrapper": True}
 DEFAULT_TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-target")
@@ -334,13 +334,8 @@ class Engine:
         the first step after start, resume or adopt; after it only those that tell the compiled graphs apart
         (every tensor that is not a parameter, and whatever once made a graph recompile). A compiled step sees the
         same objects and shapes at every round of a run, so the rest would give the same answer each time."""
-        if self.compiled and self.guards_checked:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self.round(*args)
-        # Only a step that checks every guard can compile (at a skipped one a recompile is an error), so only it
-        # needs a frozen engine's inductor options (compile_frozen), which cost ~35 us a call to set.
-        with torch._inductor.config.patch(self.compile_options) if self.compile_options else contextlib.nullcontext():
-            out = self.round(*args)
+        skip = self.compiled and self.guards_checked
+        out = call_compiled(self.round, args, self.compile_options, check_guards=not skip)
         self.guards_checked = True
         return out
 
@@ -544,7 +539,7 @@ class Engine:
         self.tally_budgets = tally_budgets  # budget auto: smaller budgets whose acceptance each round reports
         self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
         self.guards_checked = False  # whether this run's first step checked every guard (run_round)
-        self.compile_options = {}  # inductor options of the round's compiles (run_round)
+        self.compile_options = {}  # inductor options of the round's compiles (call_compiled)
         # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
         # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
@@ -627,13 +622,25 @@ def start_cpu_isa_probe():
     threading.Thread(target=pick_vec_isa, name="cpu-isa-probe", daemon=True).start()
 
 
+def call_compiled(fn, args: tuple, options: dict, check_guards: bool):
+    """fn(*args), fn compiled (or eager: then both ways are a plain call). With check_guards, every guard is
+    evaluated and `options` (inductor's, for a compile) are set: only such a call can compile. Without, only the
+    guards that tell fn's graphs apart are, and a call that would recompile is an error instead, so it needs no
+    options and does not pay for setting them (docs/compile.md, "Guards checked once per run")."""
+    if not check_guards:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return fn(*args)
+    with torch._inductor.config.patch(options) if options else contextlib.nullcontext():
+        return fn(*args)
+
+
 def compile_frozen(step):
     """`step` compiled to run under CPU_AUTOTUNE_OPTIONS, its weights frozen into its graphs. It is compiled as a
     closure: dynamo then reaches the weights through the closure, inlines them as constants and guards on this
     engine's step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first call (and
     at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze (torch
-    2.13): so the engine sets the options around each call that may compile (Engine.run_round), and nothing else
-    in the process sees them."""
+    2.13): so a caller sets the options around each call that may compile (call_compiled), and nothing else in
+    the process sees them."""
     return torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
 
 

@@ -4,6 +4,7 @@ construction alone, AR beside transformers' generate (compare, print_rows), and 
 on a trained pair (held_out_code, run). A library, not a script: each benchmark keeps its own CLI.
 """
 
+import itertools
 import json
 import os
 import random
@@ -19,8 +20,8 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
         sys.path.insert(0, p)
 from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint, stdlib_files  # noqa: E402
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
-from ddtree import (CPU_AUTOTUNE_OPTIONS, Engine, Speculation, cache_length, compile_frozen, generate,  # noqa: E402
-                    generate_batch)
+from ddtree import (CPU_AUTOTUNE_OPTIONS, Engine, Speculation, cache_length, call_compiled,  # noqa: E402
+                    compile_frozen, generate, generate_batch)
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
@@ -69,17 +70,9 @@ def save_random_target(path, vocab, hidden, layers) -> dict:
 
 def frozen_stage(f):
     """f compiled as a frozen engine compiles its round, and called as Engine.run_round calls it: the first call
-    (the compile) under CPU_AUTOTUNE_OPTIONS, the later ones skipping the guards (a recompile there is an error)."""
-    compiled, first = compile_frozen(f), [True]
-
-    def run(*args):
-        if first:
-            first.clear()
-            with torch._inductor.config.patch(CPU_AUTOTUNE_OPTIONS):
-                return compiled(*args)
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return compiled(*args)
-    return run
+    (the compile) with every guard and CPU_AUTOTUNE_OPTIONS, the later ones skipping the guards."""
+    compiled, calls = compile_frozen(f), itertools.count()
+    return lambda *args: call_compiled(compiled, args, CPU_AUTOTUNE_OPTIONS, check_guards=next(calls) == 0)
 
 
 @torch.inference_mode()
