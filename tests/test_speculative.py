@@ -133,7 +133,7 @@ def test_compiled_equals_eager_without_recompiles(models):
         assert sum(r.stats["rounds"] for r in runs) >= 100, [r.stats["rounds"] for r in runs]
 
 
-def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_path):
+def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_path, monkeypatch):
     # compile="max-autotune" on the CPU: frozen weights and autotuned matmuls (inductor's C++ GEMM templates or
     # oneDNN on prepacked weights, whichever wins), the same tokens as eager, one host read per round, nothing recompiled; then the same settings
     # on another target of the same shape (its weights frozen into graphs of its own): its own eager tokens,
@@ -154,6 +154,15 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
     assert eager != greedy(target, drafters[5], cases[1][0], max_new_tokens=30, **kw).tokens
     assert greedy(other, drafters[5], cases[1][0], max_new_tokens=30, compile="max-autotune", **kw).tokens == eager
     assert not inductor.freezing and not inductor.max_autotune
+    # A run's first step, the one that can compile, checks every guard under the autotune options; the later
+    # ones skip the guards and set nothing (ddtree.call_compiled).
+    calls, call = [], ddtree.call_compiled
+    monkeypatch.setattr(ddtree, "call_compiled", lambda fn, args, options, check_guards:
+                        calls.append((options, check_guards)) or call(fn, args, options, check_guards))
+    res = greedy(other, drafters[5], cases[1][0], max_new_tokens=30, compile="max-autotune", **kw)
+    assert res.tokens == eager
+    options = ddtree.CPU_AUTOTUNE_OPTIONS
+    assert calls == [(options, True)] + [(options, False)] * (res.stats["rounds"] - 1)
 
 
 def test_engine_decides_tree_builder_and_attention_once(models):
