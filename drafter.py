@@ -131,11 +131,12 @@ class DFlashDrafter(nn.Module):
         T = 1.
         """
         bs, n = self.block_size, bonus.shape[0]
+        length = length or bs - 1
         pos = start[:, None] + torch.arange(bs, device=bonus.device)
         masks = torch.full((n, bs - 1), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
         tokens = torch.cat([bonus[:, None], masks], dim=1)
         if denoise_steps == 1:
-            return self(tokens, pos, pos, block_mask, rows=slice(1, 1 + (length or bs - 1)))
+            return self(tokens, pos, pos, block_mask, rows=slice(1, 1 + length))
         logits = self(tokens, pos, pos, block_mask)[:, 1:]
         masked = torch.ones(n, bs - 1, dtype=torch.bool, device=bonus.device)
 
