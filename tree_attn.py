@@ -12,7 +12,8 @@ So one mask_mod serves everything. It reads `prefix` and `allow` from tensors th
 round: a compiled kernel guards on the tensors' identity and shape, not their values, so new trees and new
 prefix lengths never recompile. We build the BlockMask from block tables ourselves (`from_kv_blocks`) rather than
 calling `create_block_mask`, which fails to compile on CPU for this kind of mask_mod (docs/compile.md), and we
-only shorten the list of KV blocks to visit (a tensor, also updated in place) as the prefix grows. A mask made
+rewrite those tables in place as the prefix grows: the blocks wholly below the prefix are "full" (seen by every
+row, no mask_mod evaluated), the one or two after it are masked, the rest are not visited. A mask made
 with dense=True (the engine's choice for eager CPU runs) hands its attention the same mask_mod evaluated densely,
 for SDPA, instead of the BlockMask.
 """
@@ -62,18 +63,22 @@ class PrefixMask:
         # wrongly, and a bool-to-byte copy fails to lower (docs/compile.md, "writing the allow matrix").
         self.allow = torch.zeros(batch, q_len, q_len, dtype=torch.uint8, device=device)
         n_q, n_kv = -(-q_len // BLOCK), kv_len // BLOCK
-        self.kv_num_blocks = torch.full((batch, 1, n_q), n_kv, dtype=torch.int32, device=device)
-        kv_indices = torch.arange(n_kv, dtype=torch.int32, device=device).expand(batch, 1, n_q, n_kv).contiguous()
-        # No block is "full" (mask-free): the mask_mod decides everything. The C++ kernel wants these tensors
-        # present and distinct from kv_indices (docs/compile.md, "full-block tensors").
-        full_num = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
-        full_idx = torch.zeros(batch, 1, n_q, n_kv, dtype=torch.int32, device=device)
-        # The compiled steps write prefix, allow and kv_num_blocks in place. CUDA graph trees refuse graphs that
-        # mutate inputs they do not know to stay put (they would run the step uncaptured); these never move.
-        for t in (self.prefix, self.allow, self.kv_num_blocks):
+        self.n_kv = n_kv
+        # The blocks wholly below the prefix are "full": every row sees all their slots, so the kernel skips the
+        # mask_mod there (full_idx lists them from block 0 on; full_num says how many). The mask_mod decides only
+        # in the blocks from prefix // BLOCK on, which kv_indices lists; kv_num_blocks says how many. The C++
+        # kernel wants the two index tensors distinct (docs/compile.md, "full-block tensors").
+        self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
+        self.kv_indices = torch.zeros(batch, 1, n_q, n_kv, dtype=torch.int32, device=device)
+        self.full_num = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
+        full_idx = torch.arange(n_kv, dtype=torch.int32, device=device).expand(batch, 1, n_q, n_kv).contiguous()
+        self.blocks = torch.arange(n_kv, dtype=torch.int32, device=device)
+        # The compiled steps write prefix, allow and the block tables in place. CUDA graph trees refuse graphs
+        # that mutate inputs they do not know to stay put (they would run the step uncaptured); these never move.
+        for t in (self.prefix, self.allow, self.kv_num_blocks, self.kv_indices, self.full_num):
             torch._dynamo.mark_static_address(t)
-        self.block_mask = prefix_block_mask(self.kv_num_blocks, kv_indices, full_num, full_idx, self.prefix,
-                                            self.allow, kv_len)
+        self.block_mask = prefix_block_mask(self.kv_num_blocks, self.kv_indices, self.full_num, full_idx,
+                                            self.prefix, self.allow, kv_len)
         self.mask_mod = self.block_mask.mask_mod
 
     def set(self, prefix, allow: torch.Tensor | None = None, slots: int | None = None):
@@ -89,10 +94,14 @@ class PrefixMask:
             # store it first: torch 2.11's CPU FlexAttention lowering fails on a matrix still inlined as a chain of
             # elementwise ops (NoValidChoicesError: "Pointwise" has no name), e.g. an even number of doublings.
             self.allow.copy_(allow.as_strided(allow.shape, allow.stride()))
-        # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len), per request.
-        blocks = (self.prefix + self.q_len + BLOCK - 1) // BLOCK
-        self.kv_num_blocks.copy_(blocks.clamp(max=self.kv_len // BLOCK).to(torch.int32)[:, None, None]
-                                 .expand_as(self.kv_num_blocks))
+        # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len), per request; those below
+        # the prefix as full blocks.
+        full = (self.prefix // BLOCK).clamp(max=self.n_kv)
+        end = ((self.prefix + self.q_len + BLOCK - 1) // BLOCK).clamp(max=self.n_kv)
+        self.full_num.copy_(full.to(torch.int32)[:, None, None].expand_as(self.full_num))
+        self.kv_num_blocks.copy_((end - full).to(torch.int32)[:, None, None].expand_as(self.kv_num_blocks))
+        self.kv_indices.copy_((self.blocks + full.to(torch.int32)[:, None]).clamp(max=self.n_kv - 1)[:, None, None]
+                              .expand_as(self.kv_indices))
         return dense_mask(self.block_mask, slots) if self.dense else self.block_mask
 
     def visible_slots(self, prefix: int) -> int:
@@ -103,10 +112,11 @@ class PrefixMask:
 def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor:
     """A PrefixMask's BlockMask as a boolean [batch, 1, q_len, kv_len] tensor, its mask_mod evaluated by
     broadcasting (it is plain elementwise tensor code). kv_len defaults to the slots of the KV blocks the longest
-    request visits, which are blocks 0, 1, ... in order (one host read)."""
+    request visits, full or not, which are blocks 0, 1, ... in order (one host read)."""
     q_len, full = block_mask.seq_lengths
     if kv_len is None:
-        kv_len = min(full, int(block_mask.kv_num_blocks.max()) * block_mask.BLOCK_SIZE[1])
+        blocks = block_mask.kv_num_blocks + block_mask.full_kv_num_blocks
+        kv_len = min(full, int(blocks.max()) * block_mask.BLOCK_SIZE[1])
     device = block_mask.kv_indices.device
     b = torch.arange(block_mask.kv_indices.shape[0], device=device)[:, None, None, None]
     q = torch.arange(q_len, device=device)[:, None]

@@ -79,7 +79,7 @@ def test_compiled_tree_attention_matches_sdpa_without_recompiles():
             if round_ == 1:
                 counters.clear()  # round 0 compiles; the next 20 trees and prefixes must reuse the graph
             parents, anc = random_tree(budget, depth, 3 + round_ % 4, seed=round_)
-            prefix = 7 * round_ + round_ % 3
+            prefix = 11 * round_ + round_ % 3  # 0 to 222: no full block, then one (the kernel skips its mask)
             mask.set(prefix, anc)
             q, k, v = qkv(budget + 1, seed=round_)
             out = attend(q, k, v)
@@ -107,7 +107,7 @@ def test_tree_mask_built_inside_the_compiled_graph_matches_sdpa(depth):
     with torch.inference_mode():
         for round_ in range(6):
             parents, anc = random_tree(budget, depth, 3 + round_ % 4, seed=round_)
-            prefix = 7 * round_ + round_ % 3
+            prefix = 41 * round_ + round_ % 3  # 0 to 207: full blocks from round 4 on
             q, _, _ = qkv(budget + 1, seed=round_)
             out = attend(q, torch.tensor([prefix]), parents[None])  # per request: see PrefixMask.set
             torch.testing.assert_close(out, sdpa_reference(q, k, v, explicit_mask(prefix, anc, budget + 1)),
@@ -115,13 +115,18 @@ def test_tree_mask_built_inside_the_compiled_graph_matches_sdpa(depth):
 
 
 def test_prefix_mask_visits_only_needed_kv_blocks():
+    # (full blocks, masked blocks, the first masked block): blocks wholly below the prefix are full, those from
+    # the prefix's block to the last new row's are masked, none past it are visited.
     mask = PrefixMask(3, 4 * 128, "cpu")
-    mask.set(0, causal(3))
-    assert mask.kv_num_blocks.flatten().tolist() == [1]
-    mask.set(126, causal(3))
-    assert mask.kv_num_blocks.flatten().tolist() == [2]
-    mask.set(500, causal(3))
-    assert mask.kv_num_blocks.flatten().tolist() == [4]
+
+    def visited(prefix):
+        mask.set(prefix, causal(3))
+        return int(mask.full_num), int(mask.kv_num_blocks), int(mask.kv_indices.flatten()[0])
+
+    assert visited(0) == (0, 1, 0)
+    assert visited(126) == (0, 2, 0)  # the new rows straddle blocks 0 and 1
+    assert visited(128) == (1, 1, 1)
+    assert visited(500) == (3, 1, 3)
 
 
 def test_compact_kv_moves_the_path_to_contiguous_slots():
@@ -142,7 +147,8 @@ def test_batched_mask_gives_each_request_its_own_prefix_and_tree():
     mask = PrefixMask(budget + 1, KV_LEN, "cpu", batch=3)
     block_mask = mask.set(prefixes, torch.stack([anc.to(torch.uint8) for _, anc in trees]))
     dense = dense_mask(mask.block_mask, KV_LEN)
-    assert mask.kv_num_blocks.flatten().tolist() == [1, 2, 1]
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 1]
+    assert mask.full_num.flatten().tolist() == [0, 1, 0]
     q, k, v = (torch.cat(parts) for parts in zip(*(qkv(budget + 1, seed=s) for s in (5, 6, 7))))
     out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     for n, (_, anc) in enumerate(trees):
