@@ -96,12 +96,12 @@ class PrefixMask:
             self.allow.copy_(allow.as_strided(allow.shape, allow.stride()))
         # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len), per request; those below
         # the prefix as full blocks.
-        full = (self.prefix // BLOCK).clamp(max=self.n_kv)
-        end = ((self.prefix + self.q_len + BLOCK - 1) // BLOCK).clamp(max=self.n_kv)
-        self.full_num.copy_(full.to(torch.int32)[:, None, None].expand_as(self.full_num))
-        self.kv_num_blocks.copy_((end - full).to(torch.int32)[:, None, None].expand_as(self.kv_num_blocks))
-        self.kv_indices.copy_((self.blocks + full.to(torch.int32)[:, None]).clamp(max=self.n_kv - 1)[:, None, None]
-                              .expand_as(self.kv_indices))
+        full = (self.prefix // BLOCK).clamp(max=self.n_kv).to(torch.int32)
+        end = ((self.prefix + self.q_len + BLOCK - 1) // BLOCK).clamp(max=self.n_kv).to(torch.int32)
+        self.full_num.copy_(full[:, None, None].expand_as(self.full_num))
+        self.kv_num_blocks.copy_((end - full)[:, None, None].expand_as(self.kv_num_blocks))
+        masked = (self.blocks + full[:, None]).clamp(max=self.n_kv - 1)
+        self.kv_indices.copy_(masked[:, None, None].expand_as(self.kv_indices))
         return dense_mask(self.block_mask, slots) if self.dense else self.block_mask
 
     def visible_slots(self, prefix: int) -> int:
