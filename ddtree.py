@@ -38,7 +38,7 @@ from drafter import DFlashDrafter
 from model import Qwen3, prepack_linears
 from sampler import Sampling, draw_noise, sample, tempered, verify_chain_sampled, walk_tree, warp_probs
 from text import Streamer, Text
-from tree_attn import PrefixMask, causal, compact_kv, round_up
+from tree_attn import PrefixMask, causal, compact_kv, load_cpu_kernel, round_up
 
 # Eager FlexAttention (eager engines on CUDA, EAGER_CPU_ATTENTION = "flex") warns that it materializes the scores:
 # it does, by design of the eager path; --compile is the fused kernel.
@@ -540,11 +540,13 @@ class Engine:
         self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
         self.guards_checked = False  # whether this run's first step checked every guard (run_round)
         self.compile_options = {}  # inductor options of the round's compiles (call_compiled)
+        self.build_seconds = 0.0  # building the CPU attention kernel, the first time a process needs it
         # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
         # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
         # - the attention: eager CPU engines materialize the mask for SDPA (eager FlexAttention on the CPU runs a
-        #   vmapped math fallback); compiled and CUDA engines run FlexAttention.
+        #   vmapped math fallback); compiled CPU engines run our float32 kernel (tree_attn.load_cpu_kernel; other
+        #   dtypes FlexAttention), CUDA engines FlexAttention.
         # - the prefill: compiled on CUDA; eager on the CPU, where its chunks are large matmuls that MKL runs as well
         #   as a graph does, while its graph would take a third of the first call's compile (docs/compile.md,
         #   "Eager prefill on CPU").
@@ -581,6 +583,9 @@ class Engine:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             if self.device.type == "cpu":
                 start_cpu_isa_probe()
+                t0 = time.perf_counter()
+                load_cpu_kernel()  # the rounds' attention, where it applies (tree_attn.cpu_kernel_applies)
+                self.build_seconds = time.perf_counter() - t0  # counted as compiling (warm_up)
             if compile == "max-autotune" and self.device.type == "cpu":
                 for model in (target, drafter):
                     if model is not None:
@@ -601,15 +606,15 @@ class Engine:
 
     def warm_up(self) -> float:
         """Compile a new compiled engine's steps by running each once on a one-token dummy request; returns the
-        seconds it took (0 when there is nothing to compile), so that a run's tokens/s counts generation alone.
-        The dummy's K/V lie in slots that the real prefill overwrites or that no mask lets a row see."""
+        seconds it took (0 when there is nothing to compile), so that a run's tokens/s counts generation alone;
+        building the CPU attention kernel, when this engine did, counts too. The dummy's K/V lie in slots that the real prefill overwrites or that no mask lets a row see."""
         if self.warm:
             return 0.0
         t0 = time.perf_counter()
         self.start([[0]], seeds=[0])
         self.step()
         self.warm = True
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0 + self.build_seconds
 
 
 @functools.cache

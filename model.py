@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.nn.attention.flex_attention import flex_attention
 
-from tree_attn import prefix_block_mask
+from tree_attn import cpu_attention, cpu_kernel_applies, prefix_block_mask
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,6 +293,8 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         self.write_kv(x, cos, sin, cache_pos)
         scale, gqa = self.head_dim ** -0.5, self.heads != self.kv_heads
+        if cpu_kernel_applies(q, self.k_cache, mask):  # float32 on the CPU under a PrefixMask (tree_attn.py)
+            return self.o_proj(cpu_attention(q, self.k_cache, self.v_cache, mask, scale).view(n, q_len, -1))
         if isinstance(mask, torch.Tensor):  # dense, over the KV slots it covers (tree_attn.PrefixMask, dense=True)
             kv = mask.shape[-1]
             out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :kv], self.v_cache[:, :, :kv], attn_mask=mask,

@@ -1,0 +1,152 @@
+"""The CPU attention kernel (cpu_attention.cpp) against SDPA with the mask written out by hand: shapes, per-request
+prefixes and trees, rows that see little or nothing, NaNs; inside a compiled graph without recompiles; as the
+attention model.Attention runs; and the fallback to FlexAttention where it cannot be built."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import model
+import tree_attn
+from draft_tree import ancestor_matrix, build_tree
+from tree_attn import PrefixMask, cpu_attention, load_cpu_kernel
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert load_cpu_kernel(), "the CPU attention kernel did not build (see the warning)"
+
+
+def random_allow(q_len, g, kind):
+    if kind == "tree" and q_len > 1:
+        logq = torch.log_softmax(torch.randn(6, 4, generator=g) * 2, -1)
+        _, parents, _ = build_tree(logq, q_len - 1)
+        return ancestor_matrix(parents, 6)
+    if kind == "causal":
+        return torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    return torch.ones(q_len, q_len, dtype=torch.bool)  # the drafter's block
+
+
+def reference(q, k, v, prefix, allow, scale):
+    """SDPA under the mask written out per request: slots below prefix[n], then allow[n] over the new rows."""
+    n, _, q_len, _ = q.shape
+    dense = torch.zeros(n, 1, q_len, k.shape[2], dtype=torch.bool)
+    for i in range(n):
+        p = int(prefix[i])
+        dense[i, 0, :, :p] = True
+        dense[i, 0, :, p:p + q_len] = allow[i].bool()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=True).transpose(1, 2)
+
+
+def case(n, kv_heads, group, head_dim, q_len, slots, seed):
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    # q as the model hands it over: [N, Q, H, D] memory seen as [N, H, Q, D]
+    q = torch.randn(n, q_len, heads, head_dim, generator=g).transpose(1, 2)
+    k = torch.randn(n, kv_heads, slots, head_dim, generator=g)
+    v = torch.randn(n, kv_heads, slots, head_dim, generator=g)
+    return q, k, v
+
+
+@settings(deadline=None, max_examples=40)
+@given(n=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
+       head_dim=st.sampled_from(tree_attn.KERNEL_HEAD_DIMS), q_len=st.integers(1, 20), blocks=st.integers(1, 3),
+       kind=st.sampled_from(["tree", "causal", "block"]), seed=st.integers(0, 10**6), data=st.data())
+def test_kernel_equals_sdpa_with_the_explicit_mask(n, kv_heads, group, head_dim, q_len, blocks, kind, seed, data):
+    slots = 128 * blocks
+    q, k, v = case(n, kv_heads, group, head_dim, q_len, slots, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    allow = torch.stack([random_allow(q_len, g, kind) for _ in range(n)])
+    # each request its own prefix, up to the last one that leaves room for its rows
+    prefix = [data.draw(st.integers(0, slots - q_len)) for _ in range(n)]
+    mask = PrefixMask(q_len, slots, "cpu", batch=n)
+    block_mask = mask.set(prefix, allow.to(torch.uint8))
+    scale = head_dim ** -0.5
+    torch.testing.assert_close(cpu_attention(q, k, v, block_mask, scale),
+                               reference(q, k, v, torch.tensor(prefix), allow, scale), atol=2e-5, rtol=2e-5)
+
+
+def test_row_that_sees_nothing_is_zero_and_nans_reach_the_rows_that_see_them():
+    q, k, v = case(1, 2, 2, 64, 4, 128, seed=0)
+    allow = torch.ones(1, 4, 4, dtype=torch.uint8).tril()
+    allow[0, 2] = 0  # row 2 sees no new row
+    mask = PrefixMask(4, 128, "cpu")
+    out = cpu_attention(q, k, v, mask.set(0, allow), 0.125)
+    assert torch.equal(out[0, 2], torch.zeros_like(out[0, 2]))  # as FlexAttention gives a row with no visible slot
+    torch.testing.assert_close(out[0, [0, 1, 3]], reference(q, k, v, [0], allow, 0.125)[0, [0, 1, 3]])
+    # a NaN in new slot 1's V: rows 1 and 3 see it, row 0 does not
+    v[0, :, 1, 5] = float("nan")
+    out = cpu_attention(q, k, v, mask.set(0, allow), 0.125)
+    assert out[0, [1, 3]].isnan().any(-1).all() and not out[0, 0].isnan().any()
+    # a NaN in one query row stays in that row (never turned into a finite answer)
+    q, k, v = case(1, 2, 2, 64, 4, 128, seed=1)
+    q[0, 1, 2, 0] = float("nan")
+    out = cpu_attention(q, k, v, mask.set(30, torch.ones(1, 4, 4, dtype=torch.uint8)), 0.125)
+    assert out[0, 2, 1].isnan().all() and not out[0, [0, 1, 3]].isnan().any()
+
+
+def test_compiled_kernel_follows_the_mask_without_recompiles():
+    from torch._dynamo.utils import counters
+    budget, depth, slots = 12, 5, 256
+    mask = PrefixMask(budget + 1, slots, "cpu")
+    _, k, v = case(1, 2, 2, 64, budget + 1, slots, seed=0)
+
+    def attend(q, prefix, parents):  # as a round does it: the mask written in the graph that reads it
+        block_mask = mask.set(prefix, ancestor_matrix(parents, depth, dtype=torch.uint8))
+        return cpu_attention(q * 1.0, k, v, block_mask, 0.125)
+
+    attend = torch.compile(attend, dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        for round_ in range(8):
+            if round_ == 1:
+                counters.clear()
+            g = torch.Generator().manual_seed(round_)
+            _, parents, _ = build_tree(torch.log_softmax(torch.randn(depth, 4, generator=g) * 2, -1), budget)
+            prefix = 29 * round_ + round_ % 3  # 0 to 205
+            q, _, _ = case(1, 2, 2, 64, budget + 1, slots, seed=round_)
+            out = attend(q, torch.tensor([prefix]), parents[None])
+            torch.testing.assert_close(out, reference(q, k, v, [prefix], ancestor_matrix(parents, depth)[None], 0.125),
+                                       atol=2e-5, rtol=2e-5)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    assert not counters["recompiles"] and not counters["graph_break"]
+
+
+def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch):
+    attn = model.Attention(64, 4, 2, 64, 1e-6)
+    model.allocate_kv_caches([type("L", (), {"self_attn": attn})()], 256, torch.float32, "cpu")
+    x = torch.randn(1, 5, 64)
+    cos, sin = (t[:, None] for t in model.rope_cos_sin(torch.arange(40, 45)[None], model.rope_inv_freq(64, 1e6, None),
+                                                       torch.float32))
+    mask = PrefixMask(5, 256, "cpu")
+    block_mask = mask.set(40, torch.ones(5, 5, dtype=torch.bool).tril())
+    attn.k_cache.normal_(), attn.v_cache.normal_()
+    calls = []
+    monkeypatch.setattr(model, "cpu_attention", lambda *a: calls.append(1) or cpu_attention(*a))
+    with torch.inference_mode():
+        ours = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
+        monkeypatch.setattr(tree_attn, "USE_CPU_KERNEL", False)
+        flex = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
+    assert calls == [1]
+    torch.testing.assert_close(ours, flex, atol=2e-5, rtol=2e-5)
+    # float64 is not the kernel's: FlexAttention
+    monkeypatch.setattr(tree_attn, "USE_CPU_KERNEL", True)
+    assert not tree_attn.cpu_kernel_applies(torch.zeros(1, 4, 5, 64, dtype=torch.float64), attn.k_cache, block_mask)
+
+
+def test_a_kernel_that_cannot_be_built_warns_once_and_flex_runs(tmp_path):
+    code = ("import warnings, tree_attn\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    ok = tree_attn.load_cpu_kernel(); tree_attn.load_cpu_kernel()\n"
+            "print(ok, tree_attn.cpu_kernel_loaded, len(w), 'could not be built' in str(w[0].message))\n")
+    env = dict(os.environ, CXX="false", TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["False", "False", "1", "True"], out.stdout + out.stderr
