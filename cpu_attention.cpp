@@ -149,7 +149,12 @@ at::Tensor tree_attention(const at::Tensor &q, const at::Tensor &k_cache, const 
                 "tree_attention: int64 prefix, contiguous uint8 allow");
     const int64_t N = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3);
     const int64_t KVH = k_cache.size(1), S = k_cache.size(2), G = H / KVH;
-    TORCH_CHECK(D == 64 || D == 128, "tree_attention: head_dim 64 or 128");
+    TORCH_CHECK(q.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == N && k_cache.size(3) == D &&
+                H % KVH == 0 && prefix.numel() == N && allow.sizes() == at::IntArrayRef({N, Q, Q}),
+                "tree_attention: q [N, H, Q, D], caches [N, KVH, S, D], prefix [N], allow [N, Q, Q]");
+    auto run = D == 16 ? attend_group<16> : D == 32 ? attend_group<32> : D == 64 ? attend_group<64>
+             : D == 128 ? attend_group<128> : D == 256 ? attend_group<256> : nullptr;
+    TORCH_CHECK(run != nullptr, "tree_attention: head_dim 16, 32, 64, 128 or 256");
     auto out = at::empty({N, Q, H, D}, q.options());
     const float *qp = static_cast<const float *>(q.data_ptr()), *kp = static_cast<const float *>(k_cache.data_ptr()),
                 *vp = static_cast<const float *>(v_cache.data_ptr());
@@ -159,9 +164,9 @@ at::Tensor tree_attention(const at::Tensor &q, const at::Tensor &k_cache, const 
     at::parallel_for(0, N * KVH, 1, [&](int64_t begin, int64_t end) {
         thread_local std::vector<float> buf;
         for (int64_t t = begin; t < end; t++) {
-            const int64_t n = t / KVH, kh = t % KVH, p = pp[n], L = p + Q < S ? p + Q : S;
+            const int64_t n = t / KVH, kh = t % KVH, p = pp[n] < 0 ? 0 : pp[n] < S ? pp[n] : S;
+            const int64_t L = p + Q < S ? p + Q : S;
             const float *K = kp + t * S * D, *V = vp + t * S * D;
-            auto run = D == 64 ? attend_group<64> : attend_group<128>;
             run(qp + n * q.stride(0), q.stride(1), q.stride(2), K, V, p, L, ap + n * Q * Q, op + n * Q * H * D, G, Q,
                 H, kh * G, static_cast<float>(scale), buf);
         }

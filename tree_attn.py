@@ -136,8 +136,8 @@ def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor
 
 
 KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
-KERNEL_HEAD_DIMS = (64, 128)  # the head sizes cpu_attention.cpp is instantiated for
-USE_CPU_KERNEL = True  # False: CPU attention under PrefixMasks stays FlexAttention (set before an engine is made)
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes cpu_attention.cpp is instantiated for
+USE_CPU_KERNEL = True  # False: CPU attention under PrefixMasks stays FlexAttention (read while tracing)
 cpu_kernel_loaded = False  # set by load_cpu_kernel; read while tracing, so each graph is built for one or the other
 
 
@@ -148,8 +148,6 @@ def load_cpu_kernel() -> bool:
     its graphs are traced; from then on model.Attention runs the kernel wherever it applies (cpu_kernel_applies).
     Where it cannot be built or loaded: one warning, and CPU engines run FlexAttention."""
     global cpu_kernel_loaded
-    if not USE_CPU_KERNEL:
-        return False
     try:
         torch.ops.load_library(build_cpu_kernel())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:

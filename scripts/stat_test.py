@@ -22,7 +22,8 @@ check is instead that every sample equals the AR greedy sequence (no control).
 Speed. Eager FlexAttention on a CPU costs ~9 ms per call whatever the size (its math path vmaps the mask_mod over
 [queries, all cache slots] through Python), so the engine's eager CPU runs hand their layers the same mask_mod
 materialized for SDPA instead (ddtree.EAGER_CPU_ATTENTION): that is `--attention dense`, the default, the engine as
-is. `--attention flex` makes them run eager FlexAttention, the real kernel. tests/test_stat.py checks that both
+is. `--attention flex` makes them run eager FlexAttention, the real kernel, and `--attention kernel` our CPU
+attention kernel (the one compiled CPU engines run) on the same mask. tests/test_stat.py checks that all three
 give the engine the same tokens for the same seeds.
 
 Controls (`--control`; `auto` picks by method):
@@ -54,6 +55,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ddtree  # noqa: E402
+import tree_attn  # noqa: E402
 from checkpoints import (dflash_config, moe_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
                          save_checkpoint)
 from ddtree import finite_rows, generate, generate_batch  # noqa: E402
@@ -102,14 +104,18 @@ def load_pair(target_path: str, draft_path: str | None, device: str = "cpu"):
 @contextlib.contextmanager
 def attention(kind: str):
     """kind 'dense': the engine as is (eager CPU engines materialize the mask for SDPA); 'flex': eager engines
-    hand their layers the BlockMask, so eager FlexAttention runs (ddtree.EAGER_CPU_ATTENTION)."""
-    saved = ddtree.EAGER_CPU_ATTENTION
+    hand their layers the BlockMask, and eager FlexAttention runs (ddtree.EAGER_CPU_ATTENTION); 'kernel': the same
+    BlockMask through the CPU attention kernel that compiled CPU engines run (tree_attn.load_cpu_kernel)."""
+    saved = ddtree.EAGER_CPU_ATTENTION, tree_attn.USE_CPU_KERNEL
     ddtree.EAGER_CPU_ATTENTION = "sdpa" if kind == "dense" else "flex"
+    tree_attn.USE_CPU_KERNEL = kind == "kernel"
+    if kind == "kernel" and not tree_attn.load_cpu_kernel():
+        raise SystemExit("error: --attention kernel: the CPU attention kernel could not be built (see the warning)")
     ddtree._ENGINES.clear()  # engines fix their attention when they are made
     try:
         yield
     finally:
-        ddtree.EAGER_CPU_ATTENTION = saved
+        ddtree.EAGER_CPU_ATTENTION, tree_attn.USE_CPU_KERNEL = saved
         ddtree._ENGINES.clear()
 
 
@@ -421,7 +427,7 @@ def parse_args(argv):
     p.add_argument("--target", default=None, help="Qwen3 checkpoint dir (default: write a random pair)")
     p.add_argument("--moe", action="store_true", help="the random pair's target is a Qwen3-MoE")
     p.add_argument("--draft", default=None, help="DFlash checkpoint dir (default: write a random pair)")
-    p.add_argument("--attention", choices=("dense", "flex"), default="dense")
+    p.add_argument("--attention", choices=("dense", "flex", "kernel"), default="dense")
     p.add_argument("--alpha", type=float, default=ALPHA, help="the real run fails below, the control must be below")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")

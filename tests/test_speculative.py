@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ddtree
+import tree_attn
 from conftest import compiled_equals_eager
 from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter, default_target_layer_ids
@@ -167,8 +168,8 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
 
 def test_engine_decides_tree_builder_and_attention_once(models):
     """Eager engines build trees with the paper's heap and hand SDPA the materialized mask (on the CPU); compiled
-    engines use the tensor builder and FlexAttention, and on the CPU prefill eagerly (SDPA, the mask
-    materialized): chosen in the constructor, the same for every call."""
+    engines use the tensor builder and the BlockMask (our CPU kernel in float32, FlexAttention otherwise), and on
+    the CPU prefill eagerly (SDPA, the mask materialized): chosen in the constructor, the same for every call."""
     from draft_tree import build_tree, build_tree_heap
     from sampler import Sampling
     target, drafters = models
@@ -180,6 +181,10 @@ def test_engine_decides_tree_builder_and_attention_once(models):
         assert isinstance(engine.verify_mask.set(3), torch.Tensor) == dense
         assert engine.prefill_mask.dense and engine.prefill_step == engine._prefill_step and not engine.compile_prefill
         assert ddtree.start_cpu_isa_probe.cache_info().currsize == int(bool(compile))  # started by compiled engines
+    # compiled CPU engines load the attention kernel, and their float32 rounds run it (tree_attn.cpu_kernel_applies)
+    assert tree_attn.cpu_kernel_loaded
+    q = torch.zeros(1, 4, 5, target.config.head_dim)
+    assert tree_attn.cpu_kernel_applies(q, target.layers[0].self_attn.k_cache, engine.verify_mask.block_mask)
 
 
 def test_compiled_sampling_equals_eager_without_recompiles(models):

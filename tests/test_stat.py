@@ -7,7 +7,8 @@ on the same seeds, so the test demonstrably has the power to see a wrong law. Dr
 enough for the verification rule to matter. Greedy runs must reproduce AR greedy exactly.
 
 Sampling runs the engine's eager CPU attention (the mask materialized for SDPA, ddtree.EAGER_CPU_ATTENTION);
-test_dense_attention_matches_flex checks that it gives the engine the same tokens as eager FlexAttention. Seeds are
+test_dense_attention_matches_flex_and_the_kernel checks that it gives the engine the same tokens as eager
+FlexAttention and as the CPU attention kernel of compiled engines. Seeds are
 fixed, so every p-value here is deterministic on a given build.
 """
 
@@ -70,23 +71,26 @@ def test_chi_square_helper():
     assert st.chi_square(np.array([900, 50, 30, 20, 0]), probs)[0] < ALPHA
 
 
-def test_dense_attention_matches_flex(pair, monkeypatch):
-    """The engine's dense eager path gives the same tokens as eager flex_attention, over several rounds (and each
-    kind really runs: FlexAttention is called under 'flex' only)."""
+def test_dense_attention_matches_flex_and_the_kernel(pair, monkeypatch):
+    """The engine's dense eager path gives the same tokens as eager flex_attention and as the CPU kernel, over
+    several rounds (and each kind really runs: FlexAttention is called under 'flex' only, the kernel under 'kernel'
+    only)."""
     import model
     target, drafter = pair
-    calls = []
-    flex = model.flex_attention
-    monkeypatch.setattr(model, "flex_attention", lambda *a, **k: calls.append(1) or flex(*a, **k))
+    calls = {"flex": [], "kernel": []}
+    flex, kernel = model.flex_attention, model.cpu_attention
+    monkeypatch.setattr(model, "flex_attention", lambda *a, **k: calls["flex"].append(1) or flex(*a, **k))
+    monkeypatch.setattr(model, "cpu_attention", lambda *a, **k: calls["kernel"].append(1) or kernel(*a, **k))
     for kw in (dict(method="ddtree", budget=5), dict(method="dflash", draft_sampling=True), dict(method="ar")):
         runs = {}
-        for kind in ("flex", "dense"):
-            calls.clear()
+        for kind in ("flex", "dense", "kernel"):
+            for c in calls.values():
+                c.clear()
             with st.attention(kind):
                 runs[kind] = [generate(target, drafter if kw["method"] != "ar" else None, PROMPT, max_new_tokens=8,
                                        seed=s, stop_ids=[], **kw, **WARP).tokens for s in range(6)]
-            assert (len(calls) > 0) == (kind == "flex"), (kind, len(calls))
-        assert runs["dense"] == runs["flex"], kw
+            assert {k: len(c) > 0 for k, c in calls.items()} == {"flex": kind == "flex", "kernel": kind == "kernel"}
+        assert runs["dense"] == runs["flex"] == runs["kernel"], kw
 
 
 def test_ar_samples_follow_the_exact_law(pair, law):
