@@ -607,7 +607,8 @@ class Engine:
     def warm_up(self) -> float:
         """Compile a new compiled engine's steps by running each once on a one-token dummy request; returns the
         seconds it took (0 when there is nothing to compile), so that a run's tokens/s counts generation alone;
-        building the CPU attention kernel, when this engine did, counts too. The dummy's K/V lie in slots that the real prefill overwrites or that no mask lets a row see."""
+        building the CPU attention kernel, when this engine did, counts too. The dummy's K/V lie in slots that the
+        real prefill overwrites or that no mask lets a row see."""
         if self.warm:
             return 0.0
         t0 = time.perf_counter()

@@ -17,9 +17,9 @@ row, no mask_mod evaluated), the one or two after it are masked, the rest are no
 with dense=True (the engine's choice for eager CPU runs) hands its attention the same mask_mod evaluated densely,
 for SDPA, instead of the BlockMask.
 
-On the CPU, float32 attention under such a mask runs our own kernel (cpu_attention.cpp, `load_cpu_kernel`) rather
-than FlexAttention's CPU template, which is several times slower at the few rows of a round (docs/compile.md,
-"CPU attention kernel"); it reads `prefix` and `allow` directly.
+In compiled CPU engines, float32 attention under such a mask runs our own kernel (cpu_attention.cpp,
+`load_cpu_kernel`) rather than FlexAttention's CPU template, which is several times slower at the few rows of a
+round (docs/compile.md, "CPU attention kernel"); it reads `prefix` and `allow` directly.
 """
 
 import functools

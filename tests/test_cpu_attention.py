@@ -5,6 +5,7 @@ attention model.Attention runs; and the fallback to FlexAttention where it canno
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_compiled_kernel_follows_the_mask_without_recompiles():
 
 def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch):
     attn = model.Attention(64, 4, 2, 64, 1e-6)
-    model.allocate_kv_caches([type("L", (), {"self_attn": attn})()], 256, torch.float32, "cpu")
+    model.allocate_kv_caches([SimpleNamespace(self_attn=attn)], 256, torch.float32, "cpu")
     x = torch.randn(1, 5, 64)
     cos, sin = (t[:, None] for t in model.rope_cos_sin(torch.arange(40, 45)[None], model.rope_inv_freq(64, 1e6, None),
                                                        torch.float32))
