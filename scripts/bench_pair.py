@@ -8,7 +8,9 @@ tau, tokens/s, speedup over AR, the per-round time split; a table, a JSON file a
 
 tau is reported two ways (issue 5): over whole greedy generations from held-out code, and one speculative step
 from many real held-out contexts (greedy generations of a tiny model fall into loops a drafter learns to copy,
-which inflates tau over generations). All methods run in one process, side by side.
+which inflates tau over generations). All methods run in one process, side by side: one engine each, all alive
+together, and every prompt run by each method in turn (benchlib.interleaved_runs), so that the machine's drift
+lands on all of them alike; the table says for how many prompts each method's tokens equal plain decoding's.
 """
 
 import argparse
@@ -19,7 +21,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from benchlib import batched_run, held_out_code, round_header, round_row, round_split, run, write_json  # noqa: E402
+from benchlib import (batched_run, held_out_code, interleaved_runs, round_header, round_row, round_split,  # noqa: E402
+                      write_json)
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate  # noqa: E402
 from text import Text  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
@@ -187,6 +190,8 @@ def main():
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--contexts", type=int, default=60)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--passes", type=int, default=3, help="passes over the prompts (every method runs each prompt "
+                   "in turn)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--max-autotune", action="store_true", help="compile as ddtree.py --max-autotune does (every "
                    "method: AR too)")
@@ -221,24 +226,27 @@ def main():
         if a.only_batches:
             write_json(os.path.join(a.out, "bench_pair_batches.json"), dict(args=vars(a), batches=batched))
             return
-    configs = [("ar", 1, 1)] + [("dflash", 1, d) for d in a.denoise]
-    configs += [("ddtree", b, d) for d in a.denoise for b in a.budgets]
-    rows = {}
+    configs = {"ar": (target, None, "ar", 1, 1)}
+    configs.update({f"dflash-1-T{d}": (target, drafter, "dflash", 1, d) for d in a.denoise})
+    configs.update({f"ddtree-{b}-T{d}": (target, drafter, "ddtree", b, d) for d in a.denoise for b in a.budgets})
     print(f"pair: {a.target} + {a.draft}; {a.prompts} held-out prompts x {a.new_tokens} new tokens (greedy), "
-          f"{a.contexts} one-step contexts; {compiled_as(a)}, {a.dtype}, {a.threads} threads")
-    print(f"{'method':8s} {'B':>5s} {'T':>2s} {'tau gen':>8s} {'tau 1-step':>10s} {'tok/s':>8s} {'speedup':>8s}")
-    for method, budget, denoise in configs:
-        if method == "ar" and denoise != 1:
-            continue
-        r = run(target, None if method == "ar" else drafter, prompts, method, budget, a.new_tokens, a.compile,
-                denoise)
+          f"{a.passes} passes with the methods interleaved prompt by prompt, {a.contexts} one-step contexts; "
+          f"{compiled_as(a)}, {a.dtype}, {a.threads} threads")
+    rows = interleaved_runs(configs, prompts, a.new_tokens, a.compile, a.passes)
+    print(f"{'method':8s} {'B':>5s} {'T':>2s} {'tau gen':>8s} {'tau 1-step':>10s} {'tok/s':>8s} {'speedup':>8s} "
+          f"{'same as AR':>10s} {'agree':>6s}")
+    for key, (_, _, method, budget, denoise) in configs.items():
+        r = rows[key]
+        r.pop("tokens")
         r["tau_one_step"] = 1.0 if method == "ar" else one_step_tau(target, drafter, contexts, method, budget,
                                                                    denoise)
-        r.update(method=method, budget=budget, denoise=denoise)
-        r["speedup"] = r["tokens_per_s"] / rows["ar"]["tokens_per_s"] if rows else 1.0
-        rows["ar" if method == "ar" else f"{method}-{budget}-T{denoise}"] = r
+        r.update(method=method, budget=budget, denoise=denoise,
+                 speedup=r["tokens_per_s"] / rows["ar"]["tokens_per_s"])
         print(f"{method:8s} {budget if method == 'ddtree' else '':>5} {denoise:2d} {r['tau']:8.2f} "
-              f"{r['tau_one_step']:10.2f} {r['tokens_per_s']:8.1f} {r['speedup']:7.2f}x", flush=True)
+              f"{r['tau_one_step']:10.2f} {r['tokens_per_s']:8.1f} {r['speedup']:7.2f}x "
+              f"{r['same_tokens']:4d} / {len(prompts):<3d} {r['common_prefix']:6.1f}", flush=True)
+    print(f"(same as AR: prompts whose tokens equal plain decoding's; agree: mean tokens before the first "
+          f"difference, of {a.new_tokens})")
 
     splits = {}
     cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context"]

@@ -1,7 +1,8 @@
 """Helpers shared by the benchmark scripts (bench.py, bench_ar.py, bench_pair.py, gpu_check.py): timing
 (sync, timed, interleaved), JSON output, the random target, the per-stage round split and its table rows, tree
 construction alone, AR beside transformers' generate (compare, print_rows), and held-out prompts and greedy runs
-on a trained pair (held_out_code, run). A library, not a script: each benchmark keeps its own CLI.
+on a trained pair, side by side (held_out_code, interleaved_runs). A library, not a script: each benchmark keeps
+its own CLI.
 """
 
 import itertools
@@ -21,7 +22,7 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
 from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint, stdlib_files  # noqa: E402
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
 from ddtree import (CPU_AUTOTUNE_OPTIONS, Engine, Speculation, cache_length, call_compiled,  # noqa: E402
-                    compile_frozen, generate, generate_batch)
+                    compile_frozen, generate, generate_batch, run_requests)
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
@@ -256,18 +257,47 @@ def held_out_code(text: Text, n: int, lo: int, hi: int, seed: int):
     return out
 
 
-def run(target, drafter, prompts, method, budget, new_tokens, compile, denoise):
-    """Greedy generations: tau over all rounds, tokens/s over all prompts (after one warm-up call)."""
-    kw = dict(method=method, budget=budget if method == "ddtree" else None, max_new_tokens=new_tokens, stop_ids=[], compile=compile,
-              denoise_steps=denoise)
-    generate(target, drafter, prompts[0], **kw)  # warm-up: compile, caches
-    accepted, tokens, seconds = [], 0, 0.0
-    for p in prompts:
-        res = generate(target, drafter, p, **kw)
-        accepted += res.stats["accepted"]
-        tokens += res.stats["new_tokens"]
-        seconds += res.stats["seconds"]
-    return dict(tau=sum(accepted) / len(accepted), tokens_per_s=tokens / seconds, accepted=accepted)
+def interleaved_runs(configs: dict, prompts, new_tokens, compile, passes=3) -> dict:
+    """Greedy generations of every config side by side: one engine per config, all alive at once and warmed up
+    first, then `passes` over the prompts with each prompt run by every config in turn, so that a slow spell of
+    the machine lands on all of them alike. configs: {key: (target, drafter, method, budget, denoise)}; the first
+    is the reference the others' tokens are compared with (plain decoding, normally).
+
+    Per key: tau and tokens_per_s over every pass, accepted (the first pass's rounds), same_tokens (prompts whose
+    tokens equal the reference's), common_prefix (mean tokens before the first difference from the reference:
+    new_tokens where all agree; below it in bf16, whose verify rounds its logits otherwise than a decode step
+    does, so a near tie can flip: docs/lossless.md) and compile_seconds (the warm-up)."""
+    length = max(len(p) for p in prompts)
+    engines, out = {}, {}
+    with torch.inference_mode():
+        for key, (target, drafter, method, budget, denoise) in configs.items():
+            spec = Speculation(budget=budget if method == "ddtree" else None, denoise_steps=denoise)
+            engine = Engine(target, drafter if method != "ar" else None, method, Sampling(), spec,
+                            cache_length(length, new_tokens, method, spec, drafter), compile)
+            engines[key] = engine
+            out[key] = dict(compile_seconds=engine.warm_up(), accepted=[], tokens=[], seconds=0.0, new=0, rounds=0)
+        for n in range(passes):
+            for prompt in prompts:
+                for key, engine in engines.items():
+                    res = run_requests(engine, [prompt], [0], set(), new_tokens, None)[0]
+                    r = out[key]
+                    r["seconds"] += res.stats["seconds"]
+                    r["new"] += res.stats["new_tokens"]
+                    r["rounds"] += res.stats["rounds"]
+                    if n == 0:
+                        r["accepted"] += res.stats["accepted"]
+                        r["tokens"].append(res.tokens)
+    reference = out[next(iter(configs))]["tokens"]
+    for r in out.values():
+        prefixes = [common_prefix(a, b) for a, b in zip(r["tokens"], reference)]
+        r.update(tau=sum(r["accepted"]) / len(r["accepted"]), tokens_per_s=r.pop("new") / r.pop("seconds"),
+                 rounds=r["rounds"], same_tokens=sum(a == b for a, b in zip(r["tokens"], reference)),
+                 common_prefix=sum(prefixes) / len(prefixes))
+    return out
+
+
+def common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def batched_run(target, drafter, prompts, method, budget, new_tokens, compile, batch, passes=2):
