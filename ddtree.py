@@ -545,8 +545,8 @@ class Engine:
         # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
         # - the attention: eager CPU engines materialize the mask for SDPA (eager FlexAttention on the CPU runs a
-        #   vmapped math fallback); compiled CPU engines run our float32 kernel (tree_attn.load_cpu_kernel; other
-        #   dtypes FlexAttention), CUDA engines FlexAttention.
+        #   vmapped math fallback); compiled CPU engines run our fp32 / bf16 kernel (tree_attn.load_cpu_kernel; fp16
+        #   FlexAttention), CUDA engines FlexAttention.
         # - the prefill: compiled on CUDA; eager on the CPU, where its chunks are large matmuls that MKL runs as well
         #   as a graph does, while its graph would take a third of the first call's compile (docs/compile.md,
         #   "Eager prefill on CPU").

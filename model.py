@@ -293,7 +293,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         self.write_kv(x, cos, sin, cache_pos)
         scale, gqa = self.head_dim ** -0.5, self.heads != self.kv_heads
-        if cpu_kernel_applies(q, self.k_cache, mask):  # float32 on the CPU under a PrefixMask (tree_attn.py)
+        if cpu_kernel_applies(q, self.k_cache, mask):  # fp32 or bf16 on the CPU under a PrefixMask (tree_attn.py)
             return self.o_proj(cpu_attention(q, self.k_cache, self.v_cache, mask, scale).view(n, q_len, -1))
         if isinstance(mask, torch.Tensor):  # dense, over the KV slots it covers (tree_attn.PrefixMask, dense=True)
             kv = mask.shape[-1]

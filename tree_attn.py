@@ -137,6 +137,7 @@ def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor
 
 KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes cpu_attention.cpp is instantiated for
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the element types it is instantiated for
 USE_CPU_KERNEL = True  # False: CPU attention under PrefixMasks stays FlexAttention (read while tracing)
 cpu_kernel_loaded = False  # set by load_cpu_kernel; read while tracing, so each graph is built for one or the other
 
@@ -202,11 +203,11 @@ def _tree_attention_shape(q, k_cache, v_cache, prefix, allow, scale):
 
 
 def cpu_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, mask) -> bool:
-    """Whether attention of q [N, H, Q, D] over this cache under `mask` runs the CPU kernel: float32 on the CPU, a
-    PrefixMask's BlockMask, a head size it is built for, and the kernel loaded (load_cpu_kernel). Decided from
-    shapes and types alone, so once per compiled graph."""
-    return (cpu_kernel_loaded and USE_CPU_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and q.shape[-1] in KERNEL_HEAD_DIMS and hasattr(mask, "prefix_tensors"))
+    """Whether attention of q [N, H, Q, D] over this cache under `mask` runs the CPU kernel: float32 or bfloat16 on
+    the CPU, a PrefixMask's BlockMask, a head size it is built for, and the kernel loaded (load_cpu_kernel). Decided
+    from shapes and types alone, so once per compiled graph."""
+    return (cpu_kernel_loaded and USE_CPU_KERNEL and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
+            and k_cache.dtype == q.dtype and q.shape[-1] in KERNEL_HEAD_DIMS and hasattr(mask, "prefix_tensors"))
 
 
 def cpu_attention(q, k_cache, v_cache, mask, scale: float) -> torch.Tensor:

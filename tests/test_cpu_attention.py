@@ -46,23 +46,27 @@ def reference(q, k, v, prefix, allow, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=True).transpose(1, 2)
 
 
-def case(n, kv_heads, group, head_dim, q_len, slots, seed):
+def case(n, kv_heads, group, head_dim, q_len, slots, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     # q as the model hands it over: [N, Q, H, D] memory seen as [N, H, Q, D]
-    q = torch.randn(n, q_len, heads, head_dim, generator=g).transpose(1, 2)
-    k = torch.randn(n, kv_heads, slots, head_dim, generator=g)
-    v = torch.randn(n, kv_heads, slots, head_dim, generator=g)
+    q = torch.randn(n, q_len, heads, head_dim, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(n, kv_heads, slots, head_dim, generator=g).to(dtype)
+    v = torch.randn(n, kv_heads, slots, head_dim, generator=g).to(dtype)
     return q, k, v
 
 
 @settings(deadline=None, max_examples=40)
 @given(n=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
        head_dim=st.sampled_from(tree_attn.KERNEL_HEAD_DIMS), q_len=st.integers(1, 20), blocks=st.integers(1, 3),
-       kind=st.sampled_from(["tree", "causal", "block"]), seed=st.integers(0, 10**6), data=st.data())
-def test_kernel_equals_sdpa_with_the_explicit_mask(n, kv_heads, group, head_dim, q_len, blocks, kind, seed, data):
+       kind=st.sampled_from(["tree", "causal", "block"]), dtype=st.sampled_from(tree_attn.KERNEL_DTYPES),
+       seed=st.integers(0, 10**6), data=st.data())
+def test_kernel_equals_sdpa_with_the_explicit_mask(n, kv_heads, group, head_dim, q_len, blocks, kind, dtype, seed,
+                                                   data):
+    """bf16 inputs: the kernel sums in float32 and rounds its output once, so it is within half a bf16 step (2^-8
+    relative) of float32 SDPA over the same (bf16) values."""
     slots = 128 * blocks
-    q, k, v = case(n, kv_heads, group, head_dim, q_len, slots, seed)
+    q, k, v = case(n, kv_heads, group, head_dim, q_len, slots, seed, dtype)
     g = torch.Generator().manual_seed(seed + 1)
     allow = torch.stack([random_allow(q_len, g, kind) for _ in range(n)])
     # each request its own prefix, up to the last one that leaves room for its rows
@@ -70,8 +74,11 @@ def test_kernel_equals_sdpa_with_the_explicit_mask(n, kv_heads, group, head_dim,
     mask = PrefixMask(q_len, slots, "cpu", batch=n)
     block_mask = mask.set(prefix, allow.to(torch.uint8))
     scale = head_dim ** -0.5
-    torch.testing.assert_close(cpu_attention(q, k, v, block_mask, scale),
-                               reference(q, k, v, torch.tensor(prefix), allow, scale), atol=2e-5, rtol=2e-5)
+    out = cpu_attention(q, k, v, block_mask, scale)
+    assert out.dtype == dtype
+    expected = reference(q.float(), k.float(), v.float(), torch.tensor(prefix), allow, scale)
+    tol = 2e-5 if dtype == torch.float32 else 2.0**-8 + 2e-5
+    torch.testing.assert_close(out.float(), expected, atol=2e-5, rtol=tol)
 
 
 def test_row_that_sees_nothing_is_zero_and_nans_reach_the_rows_that_see_them():
@@ -119,12 +126,13 @@ def test_compiled_kernel_follows_the_mask_without_recompiles():
     assert not counters["recompiles"] and not counters["graph_break"]
 
 
-def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch):
-    attn = model.Attention(64, 4, 2, 64, 1e-6)
-    model.allocate_kv_caches([SimpleNamespace(self_attn=attn)], 256, torch.float32, "cpu")
-    x = torch.randn(1, 5, 64)
+@pytest.mark.parametrize("dtype", tree_attn.KERNEL_DTYPES)
+def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
+    attn = model.Attention(64, 4, 2, 64, 1e-6).to(dtype)
+    model.allocate_kv_caches([SimpleNamespace(self_attn=attn)], 256, dtype, "cpu")
+    x = torch.randn(1, 5, 64, dtype=dtype)
     cos, sin = (t[:, None] for t in model.rope_cos_sin(torch.arange(40, 45)[None], model.rope_inv_freq(64, 1e6, None),
-                                                       torch.float32))
+                                                       dtype))
     mask = PrefixMask(5, 256, "cpu")
     block_mask = mask.set(40, torch.ones(5, 5, dtype=torch.bool).tril())
     attn.k_cache.normal_(), attn.v_cache.normal_()
@@ -134,8 +142,9 @@ def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch):
         ours = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
         monkeypatch.setattr(tree_attn, "USE_CPU_KERNEL", False)
         flex = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
-    assert calls == [1]
-    torch.testing.assert_close(ours, flex, atol=2e-5, rtol=2e-5)
+    assert calls == [1] and ours.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: the two round at different steps
+    torch.testing.assert_close(ours, flex, atol=tol, rtol=tol)
     # float64 is not the kernel's: FlexAttention
     monkeypatch.setattr(tree_attn, "USE_CPU_KERNEL", True)
     assert not tree_attn.cpu_kernel_applies(torch.zeros(1, 4, 5, 64, dtype=torch.float64), attn.k_cache, block_mask)
