@@ -1,8 +1,10 @@
 """A roofline for this machine: each stage of a compiled DDTree round beside its floor.
 
-    python scripts/bench_roofline.py [--budgets 4 16] [--rows 1 5 17 65] [--max-autotune] [--json out.json]
+    python scripts/bench_roofline.py [--budgets 4 16] [--rows 1 5 17 65] [--max-autotune] [--dtype bfloat16]
+                                     [--json out.json]
 
-Measured first: the peak GEMM rate (the best of MKL's and oneDNN's large fp32 matmul) and the read bandwidth at
+Measured first: the peak GEMM rate (the best of MKL's and oneDNN's large matmul at the engine's dtype, fp32 or
+bf16 with --dtype bfloat16: on a CPU with AMX, oneDNN's tile unit) and the read bandwidth at
 the working-set size of each stage's weights (the bundled pair's 17 MB fit the L3 cache of most server CPUs, so
 the floor of a forward is the cache's bandwidth, not DRAM's). A stage's floor is max(bytes it must read /
 bandwidth, FLOPs / peak); the table prints the measured time, the floor and their ratio:
@@ -12,7 +14,7 @@ bandwidth, FLOPs / peak); the table prints the measured time, the floor and thei
 - per budget, the round's stages as the engine runs them (benchlib.round_split): draft (the drafter's block
   pass and the lm_head at block_size rows), tree + mask + walk (its floor: reading the draft and verify logits),
   compaction (moving the accepted rows' K/V), context (the drafter's K/V of the committed tokens);
-- few-row linears alone, at the pair's weight shapes: F.linear (MKL's sgemm, what aten runs for fp32), oneDNN
+- few-row linears alone, at the pair's weight shapes: F.linear (what aten runs: MKL's sgemm for fp32), oneDNN
   with the weight prepacked (torch.ops.mkldnn), and the one-row multiply-reduce the engine compiles
   (model.CPU_ONE_ROW_REDUCTION): what a faster few-row path could reach.
 """
@@ -40,12 +42,13 @@ def median_ms(fn, repeats: int) -> float:
     return timed(fn, CPU, repeats)[0]
 
 
-def peak_flops(repeats: int) -> dict:
-    """FLOP/s of a large square fp32 matmul through MKL (aten) and oneDNN (prepacked); the faster is the peak."""
+def peak_flops(repeats: int, dtype) -> dict:
+    """FLOP/s of a large square matmul at `dtype` through aten (MKL for fp32) and oneDNN (prepacked); the faster is
+    the peak."""
     n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
-    out = {"mkl": 2 * n**3 / median_ms(lambda: a @ b.T, repeats) * 1e3,
+    out = {"aten": 2 * n**3 / median_ms(lambda: a @ b.T, repeats) * 1e3,
            "onednn": 2 * n**3 / median_ms(lambda: onednn(a, packed), repeats) * 1e3}
     out["peak"] = max(out.values())
     return out
@@ -69,18 +72,18 @@ def floor_ms(nbytes: float, flops: float, bw: float, peak: float) -> float:
     return max(nbytes / bw, flops / peak) * 1e3
 
 
-def linear_table(target, rows_list, repeats):
+def linear_table(target, rows_list, repeats, dtype):
     """ms per few-row linear at the target's weight shapes: MKL, oneDNN prepacked, compiled one-row reduce."""
     shapes = sorted({tuple(m.weight.shape) for m in target.modules() if isinstance(m, Linear)}, key=lambda s: -s[0] * s[1])
     reduce = torch.compile(lambda x, w: (x[:, None, :] * w[None]).sum(-1), dynamic=False)
     table = []
     for shape in shapes:
-        w = torch.randn(shape) * 0.02
+        w = torch.randn(shape, dtype=dtype) * 0.02
         for rows in rows_list:
-            x = torch.randn(rows, shape[1])
+            x = torch.randn(rows, shape[1], dtype=dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
             row = {"shape": list(shape), "rows": rows,
-                   "mkl": median_ms(lambda: torch.nn.functional.linear(x, w), 20 * repeats),
+                   "aten": median_ms(lambda: torch.nn.functional.linear(x, w), 20 * repeats),
                    "onednn": median_ms(lambda: onednn(x, packed), 20 * repeats)}
             if rows == 1:
                 row["reduce"] = median_ms(lambda: reduce(x, w), 20 * repeats)
@@ -99,26 +102,31 @@ def main():
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--max-autotune", action="store_true", help="compile the rounds and their stages as "
                    "ddtree.py --max-autotune does (frozen graphs, autotuned matmuls, oneDNN weight copies)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the models' dtype (logits "
+                   "stay fp32)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     compile = "max-autotune" if a.max_autotune else True
     torch.set_num_threads(a.threads)
     out = {"threads": torch.get_num_threads(), "torch": torch.__version__}
     with torch.inference_mode():
-        target = Qwen3.from_pretrained(a.target, device="cpu")
-        drafter = DFlashDrafter.from_pretrained(a.draft, device="cpu").bind(target)
+        dtype = getattr(torch, a.dtype)
+        es = dtype.itemsize  # bytes per weight and per K/V element
+        target = Qwen3.from_pretrained(a.target, device="cpu", dtype=dtype)
+        drafter = DFlashDrafter.from_pretrained(a.draft, device="cpu", dtype=dtype).bind(target)
         c = target.config
-        peak = out["gemm_flops"] = peak_flops(a.repeats)
-        print(f"{out['threads']} threads, fp32. Peak GEMM (2048^3): MKL {peak['mkl'] / 1e9:.0f} GFLOP/s, oneDNN "
-              f"{peak['onednn'] / 1e9:.0f} GFLOP/s")
-        wt, wl = linear_bytes(target), target.lm_head.weight.numel() * 4
+        peak = out["gemm_flops"] = peak_flops(a.repeats, dtype)
+        out["dtype"] = a.dtype
+        print(f"{out['threads']} threads, {a.dtype}. Peak GEMM (2048^3): aten {peak['aten'] / 1e9:.0f} GFLOP/s, "
+              f"oneDNN {peak['onednn'] / 1e9:.0f} GFLOP/s")
+        wt, wl = linear_bytes(target), target.lm_head.weight.numel() * es
         wd = linear_bytes(drafter) + wl  # the drafter's own layers, then the target's lm_head
         bw = out["bandwidth"] = {"target": bandwidth(wt, a.repeats), "draft": bandwidth(wd, a.repeats),
                                  "dram_1gib": bandwidth(2**30, 3)}
         print(f"read bandwidth: {bw['target'] / 1e9:.0f} GB/s at the target's {wt / 1e6:.1f} MB, "
               f"{bw['draft'] / 1e9:.0f} GB/s at the draft pass's {wd / 1e6:.1f} MB, {bw['dram_1gib'] / 1e9:.0f} GB/s "
               f"over 1 GiB\n")
-        kv_row = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # K and V bytes per position
+        kv_row = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * es  # K and V bytes per position
         stages = out["stages"] = []
 
         def report(name, ms, nbytes, flops, bandwidth_):
@@ -131,28 +139,28 @@ def main():
             ms = verify_ms(target, rows - 1, True, a.repeats, prompt_len=a.prompt_len)
             ctx = a.prompt_len + rows
             attn = 4 * rows * ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers
-            report(f"verify {rows} rows", ms, wt + ctx * kv_row, 2 * rows * wt / 4 + attn, bw["target"])
+            report(f"verify {rows} rows", ms, wt + ctx * kv_row, 2 * rows * wt / es + attn, bw["target"])
         block = drafter.config.block_size
-        ctx_bytes = sum(m.weight.numel() * 4 for n, m in drafter.named_modules()  # fc and the K/V projections
+        ctx_bytes = sum(m.weight.numel() * es for n, m in drafter.named_modules()  # fc and the K/V projections
                         if isinstance(m, Linear) and (n == "fc" or n.endswith(("k_proj", "v_proj"))))
         for budget in a.budgets:
             ms = round_split(target, drafter, budget, compile, a.repeats, prompt_len=a.prompt_len)
             out.setdefault("rounds", {})[budget] = ms
             how = "compiled (max-autotune)" if a.max_autotune else "compiled"
             print(f"-- round at B = {budget}: {ms['round']:.3f} ms {how}")
-            report(f"  draft ({block} rows)", ms["draft"], wd, 2 * block * wd / 4, bw["draft"])
-            report(f"  verify ({budget + 1} rows)", ms["verify"], wt, 2 * (budget + 1) * wt / 4, bw["target"])
+            report(f"  draft ({block} rows)", ms["draft"], wd, 2 * block * wd / es, bw["draft"])
+            report(f"  verify ({budget + 1} rows)", ms["verify"], wt, 2 * (budget + 1) * wt / es, bw["target"])
             logits = (block + budget + 1) * c.vocab_size * 4  # the tree reads the draft's, the walk the verify's
             report("  tree + mask + walk (eager)", ms["tree"] + ms["mask"] + ms["walk"], logits, 0, bw["dram_1gib"])
             depth = block  # at most the accepted path's length of rows moves
             report("  compact (eager)", ms["compact"], 2 * depth * kv_row, 0, bw["dram_1gib"])
-            report("  context", ms["context"], ctx_bytes, 2 * depth * ctx_bytes / 4, bw["draft"])
-        print(f"\nfew-row linear, ms (rows x weight [out, in], fp32): MKL sgemm / oneDNN prepacked / compiled "
+            report("  context", ms["context"], ctx_bytes, 2 * depth * ctx_bytes / es, bw["draft"])
+        print(f"\nfew-row linear, ms (rows x weight [out, in], {a.dtype}): aten / oneDNN prepacked / compiled "
               "one-row reduce")
-        table = out["linears"] = linear_table(target, a.rows, a.repeats)
+        table = out["linears"] = linear_table(target, a.rows, a.repeats, dtype)
         for row in table:
             extra = f" {row['reduce']:8.3f}" if "reduce" in row else ""
-            print(f"{row['rows']:4d} x {str(row['shape']):13s} {row['mkl']:8.3f} {row['onednn']:8.3f}{extra}")
+            print(f"{row['rows']:4d} x {str(row['shape']):13s} {row['aten']:8.3f} {row['onednn']:8.3f}{extra}")
     if a.json:
         write_json(a.json, out)
 
