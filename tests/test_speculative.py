@@ -168,8 +168,9 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
 
 def test_engine_decides_tree_builder_and_attention_once(models):
     """Eager engines build trees with the paper's heap and hand SDPA the materialized mask (on the CPU); compiled
-    engines use the tensor builder and the BlockMask (our CPU kernel in float32 and bf16, FlexAttention otherwise), and on
-    the CPU prefill eagerly (SDPA, the mask materialized): chosen in the constructor, the same for every call."""
+    engines use the tensor builder and the BlockMask (our CPU kernel in float32 and bf16, FlexAttention otherwise),
+    and on the CPU prefill eagerly (SDPA, the mask materialized): chosen in the constructor, the same for every
+    call."""
     from draft_tree import build_tree, build_tree_heap
     from sampler import Sampling
     target, drafters = models
