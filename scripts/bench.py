@@ -25,8 +25,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from benchlib import (compare, held_out_code, print_rows, round_header, round_row, round_split,  # noqa: E402
-                      run, save_random_target, tree_alone, write_json)
+from benchlib import (compare, held_out_code, interleaved_runs, print_rows, round_header, round_row,  # noqa: E402
+                      round_split, save_random_target, tree_alone, write_json)
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
@@ -104,20 +104,15 @@ def scorecard(target_path: str, vocab: int, repeats: int, new: int = 128):
     target = Qwen3.from_pretrained(DEFAULT_TARGET, device="cpu")
     drafter = DFlashDrafter.from_pretrained(DEFAULT_DRAFT, device="cpu").bind(target)
     prompts = held_out_code(Text(target.path), 4, 64, 160, seed=0)  # as bench_pair.py
-    configs = [("ar", 1), ("dflash", 1)] + [("ddtree", b) for b in (4, 16, 64, 256)]
+    configs = {"ar-1": (target, None, "ar", 1, 1), "dflash-1": (target, drafter, "dflash", 1, 1)}
+    configs.update({f"ddtree-{b}": (target, drafter, "ddtree", b, 1) for b in (4, 16, 64, 256)})
     passes = 3
-    print(f"\nbundled pair, compiled, greedy, 4 held-out prompts x {new} new tokens; {passes} passes over the "
-          f"methods in turn, best pass per method:")
+    print(f"\nbundled pair, compiled, greedy, 4 held-out prompts x {new} new tokens; {passes} passes, the methods "
+          f"interleaved prompt by prompt:")
     print(f"{'method':8s} {'B':>5s} {'tau':>6s} {'tok/s':>8s}")
-    pair = {}
-    for _ in range(passes):  # interleaved, so a slow spell of the machine does not land on one method only
-        for method, budget in configs:
-            r = run(target, None if method == "ar" else drafter, prompts, method, budget, new, True, 1)
-            key = f"{method}-{budget}"
-            if key not in pair or r["tokens_per_s"] > pair[key]["tokens_per_s"]:
-                pair[key] = r
-    for method, budget in configs:
-        r = pair[f"{method}-{budget}"]
+    pair = interleaved_runs(configs, prompts, new, True, passes)
+    for key, (_, _, method, budget, _) in configs.items():
+        r = pair[key]
         print(f"{method:8s} {budget if method == 'ddtree' else '':>5} {r['tau']:6.2f} {r['tokens_per_s']:8.1f}")
     best = max((k for k in pair if k.startswith("ddtree")), key=lambda k: pair[k]["tokens_per_s"])
     tree_ratio = pair[best]["tokens_per_s"] / pair["dflash-1"]["tokens_per_s"]

@@ -265,8 +265,8 @@ def interleaved_runs(configs: dict, prompts, new_tokens, compile, passes=3) -> d
 
     Per key: tau and tokens_per_s over every pass, accepted (the first pass's rounds), same_tokens (prompts whose
     tokens equal the reference's), common_prefix (mean tokens before the first difference from the reference:
-    new_tokens where all agree; below it in bf16, whose verify rounds its logits otherwise than a decode step
-    does, so a near tie can flip: docs/lossless.md) and compile_seconds (the warm-up)."""
+    new_tokens where all agree; below it in bf16, where the top two logits can tie exactly and the verify breaks
+    the tie otherwise than a decode step: docs/lossless.md) and compile_seconds (the warm-up)."""
     length = max(len(p) for p in prompts)
     engines, out = {}, {}
     with torch.inference_mode():
@@ -291,7 +291,7 @@ def interleaved_runs(configs: dict, prompts, new_tokens, compile, passes=3) -> d
     for r in out.values():
         prefixes = [common_prefix(a, b) for a, b in zip(r["tokens"], reference)]
         r.update(tau=sum(r["accepted"]) / len(r["accepted"]), tokens_per_s=r.pop("new") / r.pop("seconds"),
-                 rounds=r["rounds"], same_tokens=sum(a == b for a, b in zip(r["tokens"], reference)),
+                 same_tokens=sum(a == b for a, b in zip(r["tokens"], reference)),
                  common_prefix=sum(prefixes) / len(prefixes))
     return out
 
