@@ -109,14 +109,16 @@ def scorecard(target_path: str, vocab: int, repeats: int, new: int = 128):
     passes = 3
     print(f"\nbundled pair, compiled, greedy, 4 held-out prompts x {new} new tokens; {passes} passes, the methods "
           f"interleaved prompt by prompt:")
-    print(f"{'method':8s} {'B':>5s} {'tau':>6s} {'tok/s':>8s}")
+    print(f"{'method':8s} {'B':>5s} {'tau':>6s} {'tok/s':>8s} {'same as AR':>11s}")
     pair = interleaved_runs(configs, prompts, new, True, passes)
     for key, (_, _, method, budget, _) in configs.items():
         r = pair[key]
-        print(f"{method:8s} {budget if method == 'ddtree' else '':>5} {r['tau']:6.2f} {r['tokens_per_s']:8.1f}")
+        print(f"{method:8s} {budget if method == 'ddtree' else '':>5} {r['tau']:6.2f} {r['tokens_per_s']:8.1f} "
+              f"{r['same_tokens']:>7d} / {len(prompts)}")
     best = max((k for k in pair if k.startswith("ddtree")), key=lambda k: pair[k]["tokens_per_s"])
     tree_ratio = pair[best]["tokens_per_s"] / pair["dflash-1"]["tokens_per_s"]
-    out["pair"] = {k: {"tau": v["tau"], "tokens_per_s": v["tokens_per_s"]} for k, v in pair.items()}
+    out["pair"] = {k: {"tau": v["tau"], "tokens_per_s": v["tokens_per_s"], "same_tokens": v["same_tokens"]}
+                   for k, v in pair.items()}
     print(f"\ncompiled AR / transformers generate: {ar_ratio:.2f}x (goal >= 1.5x)")
     print(f"compiled DDTree at its best budget ({best}) / compiled chain: {tree_ratio:.2f}x (goal >= 1)")
     out.update(ar_ratio=ar_ratio, best_tree=best, tree_over_chain=tree_ratio)
