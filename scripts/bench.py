@@ -117,8 +117,7 @@ def scorecard(target_path: str, vocab: int, repeats: int, new: int = 128):
               f"{r['same_tokens']:>7d} / {len(prompts)}")
     best = max((k for k in pair if k.startswith("ddtree")), key=lambda k: pair[k]["tokens_per_s"])
     tree_ratio = pair[best]["tokens_per_s"] / pair["dflash-1"]["tokens_per_s"]
-    out["pair"] = {k: {"tau": v["tau"], "tokens_per_s": v["tokens_per_s"], "same_tokens": v["same_tokens"]}
-                   for k, v in pair.items()}
+    out["pair"] = {k: {f: v[f] for f in ("tau", "tokens_per_s", "same_tokens")} for k, v in pair.items()}
     print(f"\ncompiled AR / transformers generate: {ar_ratio:.2f}x (goal >= 1.5x)")
     print(f"compiled DDTree at its best budget ({best}) / compiled chain: {tree_ratio:.2f}x (goal >= 1)")
     out.update(ar_ratio=ar_ratio, best_tree=best, tree_over_chain=tree_ratio)
