@@ -29,8 +29,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from benchlib import save_random_target, timed, write_json  # noqa: E402
-from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa: E402
+from benchlib import save_random_pair, timed, write_json  # noqa: E402
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Engine, Speculation, cache_length  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
@@ -39,13 +38,10 @@ from sampler import Sampling  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def random_pair(out_dir: str, hidden: int, layers: int, dtype, vocab: int = 4096):
-    """The benchmarks' random target of `hidden` x `layers` and a random one-layer drafter for it, loaded as the
-    engine loads them."""
-    tc = save_random_target(os.path.join(out_dir, "target"), vocab, hidden, layers)
-    dc = dflash_config(tc, layers=1, block_size=8, target_layer_ids=[1, max(1, layers - 2)])
-    save_checkpoint(os.path.join(out_dir, "draft"), dc, random_dflash_weights(dc))
-    return load_pair(os.path.join(out_dir, "target"), os.path.join(out_dir, "draft"), dtype)
+def random_pair(out_dir: str, hidden: int, layers: int, dtype):
+    """The benchmarks' random pair of `hidden` x `layers` (benchlib.save_random_pair), loaded as the engine loads
+    them."""
+    return load_pair(*save_random_pair(out_dir, hidden, layers), dtype)
 
 
 def load_pair(target_path: str, draft_path: str, dtype):

@@ -1,7 +1,7 @@
 """A roofline for this machine: each stage of a compiled DDTree round beside its floor.
 
     python scripts/bench_roofline.py [--budgets 4 16] [--rows 1 5 17 65] [--max-autotune] [--dtype bfloat16]
-                                     [--json out.json]
+                                     [--size 1024x8] [--json out.json]
 
 Measured first: the peak GEMM rate (the best of MKL's and oneDNN's large matmul at the engine's dtype, fp32 or
 bf16 with --dtype bfloat16: on a CPU with AMX, oneDNN's tile unit) and the read bandwidth at
@@ -17,12 +17,18 @@ bandwidth, FLOPs / peak); the table prints the measured time, the floor and thei
 - few-row linears alone, at the pair's weight shapes: F.linear (what aten runs: MKL's sgemm for fp32), oneDNN
   with the weight prepacked (torch.ops.mkldnn), and the one-row multiply-reduce the engine compiles
   (model.CPU_ONE_ROW_REDUCTION): what a faster few-row path could reach.
+
+The pair is the bundled one unless --target / --draft name another, or --size HxL asks for the benchmarks' random
+pair of hidden size H and L layers (benchlib.save_random_pair, written to a temporary folder): the larger the pair,
+the less a stage's fixed costs (kernel calls, thread synchronization) weigh beside its bytes; 1024x8 has 109M
+parameters.
 """
 
 import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -30,7 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from benchlib import round_split, timed, verify_ms, write_json  # noqa: E402
+from benchlib import round_split, save_random_pair, timed, verify_ms, write_json  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Linear, Qwen3  # noqa: E402
 
@@ -104,11 +110,25 @@ def main():
                    "ddtree.py --max-autotune does (frozen graphs, autotuned matmuls, oneDNN weight copies)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the models' dtype (logits "
                    "stay fp32)")
+    p.add_argument("--size", default=None, metavar="HxL", help="the random pair of hidden size H and L layers "
+                   "in place of --target / --draft (e.g. 1024x8)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.size is None:
+        return roofline(a)
+    try:
+        hidden, layers = (int(v) for v in a.size.lower().split("x"))
+    except ValueError:
+        p.error(f"--size takes HxL, such as 1024x8, not {a.size!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        a.target, a.draft = save_random_pair(tmp, hidden, layers)
+        roofline(a)
+
+
+def roofline(a):
     compile = "max-autotune" if a.max_autotune else True
     torch.set_num_threads(a.threads)
-    out = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    out = {"threads": torch.get_num_threads(), "torch": torch.__version__, "pair": a.size or [a.target, a.draft]}
     with torch.inference_mode():
         dtype = getattr(torch, a.dtype)
         es = dtype.itemsize  # bytes per weight and per K/V element

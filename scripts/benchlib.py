@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (os.path.join(ROOT, "scripts"), ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
-from checkpoints import qwen3_config, random_qwen3_weights, save_checkpoint, stdlib_files  # noqa: E402
+from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
+                         save_checkpoint, stdlib_files)
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
 from ddtree import (CPU_AUTOTUNE_OPTIONS, Engine, Speculation, cache_length, call_compiled,  # noqa: E402
                     compile_frozen, generate, generate_batch, run_requests)
@@ -67,6 +68,16 @@ def save_random_target(path, vocab, hidden, layers) -> dict:
                       kv_heads=max(1, hidden // 128), head_dim=64)
     save_checkpoint(path, tc, random_qwen3_weights(tc))
     return tc
+
+
+def save_random_pair(out_dir: str, hidden: int, layers: int, vocab: int = 4096) -> tuple:
+    """A random target of `hidden` x `layers` (save_random_target) and a random one-layer DFlash drafter for it
+    (block 8, reading target layers 1 and layers - 2), written under out_dir; returns their two paths."""
+    target, draft = os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
+    tc = save_random_target(target, vocab, hidden, layers)
+    dc = dflash_config(tc, layers=1, block_size=8, target_layer_ids=[1, max(1, layers - 2)])
+    save_checkpoint(draft, dc, random_dflash_weights(dc))
+    return target, draft
 
 
 def frozen_stage(f):
