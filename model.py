@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.nn.attention.flex_attention import flex_attention
 
-from tree_attn import cpu_attention, cpu_kernel_applies, prefix_block_mask
+from tree_attn import cpu_attention, cpu_kernel_applies, flex_kernel_options, prefix_block_mask
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -300,7 +300,9 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :kv], self.v_cache[:, :, :kv], attn_mask=mask,
                                                  scale=scale, enable_gqa=gqa)
         else:
-            out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale, enable_gqa=gqa)
+            options = flex_kernel_options(q_len, self.heads, self.kv_heads, q.device.type)
+            out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale, enable_gqa=gqa,
+                                 kernel_options=options)
         return self.o_proj(out.transpose(1, 2).reshape(n, q_len, self.heads * self.head_dim))
 
 

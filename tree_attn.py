@@ -30,13 +30,29 @@ import tempfile
 import warnings
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions
 
 BLOCK = 128  # FlexAttention's tile; cache lengths are rounded up to a multiple of it
 
 
 def round_up(n: int, multiple: int = BLOCK) -> int:
     return (n + multiple - 1) // multiple * multiple
+
+
+def flex_kernel_options(q_len: int, heads: int, kv_heads: int, device_type: str) -> dict | None:
+    """FlexAttention's kernel options for a call of q_len query rows, or None for its defaults. On CUDA, inductor
+    sends a query of fewer than BLOCK rows with a power-of-two GQA ratio G to its decoding kernel, whose query tile
+    is max(next_pow2(q_len * G), 16) rows and must divide the mask's BLOCK-row query blocks; past that every config
+    is dropped and the compile fails (NoValidChoicesError, pytorch/pytorch#185349): with G = 4, 33 to 127 rows.
+    Those calls take the main Triton kernel instead."""
+    g = heads // kv_heads
+    if device_type != "cuda" or q_len >= BLOCK or g & (g - 1):
+        return None
+    tile = max(1 << (q_len * g - 1).bit_length(), 16)
+    if BLOCK % tile == 0:
+        return None
+    return {"BACKEND": "TRITON"} if "BACKEND" in FlexKernelOptions.__annotations__ else {
+        "FORCE_USE_FLEX_ATTENTION": True}
 
 
 def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow, kv_len: int) -> BlockMask:

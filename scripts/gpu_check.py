@@ -18,9 +18,12 @@ skipped). The JSON is rewritten after each section: a device run cut short still
 """
 
 import argparse
+import contextlib
 import os
+import subprocess
 import sys
 import time
+import traceback
 
 import torch
 from torch._dynamo.utils import counters
@@ -35,6 +38,7 @@ from ddtree import Engine, Speculation, cache_length, generate  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from model import Qwen3, Qwen3Config, SparseMoE, grouped_mm_supported, rope_inv_freq  # noqa: E402
 from sampler import Sampling  # noqa: E402
+from tree_attn import PrefixMask, flex_kernel_options  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -117,6 +121,117 @@ def moe_section(a, device, dtype, bandwidth, out, section, t0):
             moe["verify_ms"][budget] = ms = verify_ms(target, budget, True, a.repeats, prompt_len=512)
             print(f"MoE verify B={budget:4d}: {ms:8.2f} ms ({ms / moe.get('ar_ms', ms):.1f}x the AR step)  "
                   f"[{time.time() - t0:.0f} s]", flush=True)
+
+
+def versions(device):
+    """What the run ran on: torch, triton, CUDA, the driver, the device and its compute capability."""
+    v = dict(torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0])
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        v["triton"] = None
+    if device.type == "cuda":
+        v["device_name"] = torch.cuda.get_device_name()
+        v["capability"] = list(torch.cuda.get_device_capability())
+        try:
+            v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                         capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            v["driver"] = None
+    return v
+
+
+@contextlib.contextmanager
+def guarded(out, name, device):
+    """Runs one section's body: its status (ok, or error with the traceback; the run goes on), seconds, peak
+    device memory and the recompiles it caused, in out["sections"][name]."""
+    rec = out.setdefault("sections", {}).setdefault(name, {})
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t, recompiles = time.time(), sum(counters["recompiles"].values())
+    try:
+        yield rec
+        rec["status"] = "ok"
+    except Exception:  # noqa: BLE001 (a section's failure is a finding, not the end of the run)
+        rec["status"] = "error"
+        rec["traceback"] = traceback.format_exc()[-6000:]
+        print(f"section {name!r} FAILED:\n{rec['traceback']}", flush=True)
+    finally:
+        rec["seconds"] = time.time() - t
+        rec["recompiles"] = sum(counters["recompiles"].values()) - recompiles
+        if device.type == "cuda":
+            rec["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+
+
+def flex_check(device, dtype, out):
+    """Compiled FlexAttention under a PrefixMask (the engine's kernel options) against SDPA with the mask written
+    out, per query length and GQA ratio: the lengths the engine runs (decode, draft block, B + 1, prefill chunk)."""
+    res = out["flex_vs_sdpa"] = {}
+    kv_len, dim = 1024, 128
+    torch._dynamo.config.recompile_limit = 64  # one graph per shape below
+    cases = [(4, q, True) for q in (1, 16, 17, 33, 65, 128, 257, 513)] + [(8, 17, True), (8, 65, True), (2, 65, True)]
+    cases.append((4, 65, False))  # inductor's default kernel choice at a length the options exist for
+    for g, q_len, ours in cases:
+            key = f"G{g}-q{q_len}" + ("" if ours else "-default-options")
+            options = None
+            try:
+                heads = 4 * g
+                mask = PrefixMask(q_len, kv_len, device)
+                options = flex_kernel_options(q_len, heads, 4, device.type) if ours else None
+                fn = torch.compile(lambda q, k, v: torch.nn.attention.flex_attention.flex_attention(
+                    q, k, v, block_mask=mask.block_mask, enable_gqa=True, kernel_options=options),
+                    dynamic=False, fullgraph=True)
+                worst = 0.0
+                for prefix in (0, 130, kv_len - q_len - 1):
+                    gen = torch.Generator(device="cpu").manual_seed(q_len + prefix)
+                    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in
+                                                   range(1, q_len)])
+                    anc = torch.zeros(q_len, q_len, dtype=torch.bool)
+                    for i in range(q_len):  # ancestor-or-self rows of a random tree, written out
+                        j = i
+                        while j >= 0:
+                            anc[i, j] = True
+                            j = int(parents[j])
+                    mask.set(prefix, anc.to(device))
+                    q = torch.randn(1, heads, q_len, dim, device=device, dtype=dtype)
+                    k = torch.randn(1, 4, kv_len, dim, device=device, dtype=dtype)
+                    v = torch.randn(1, 4, kv_len, dim, device=device, dtype=dtype)
+                    dense = torch.zeros(q_len, kv_len, dtype=torch.bool, device=device)
+                    dense[:, :prefix] = True
+                    dense[:, prefix:prefix + q_len] = anc.to(device)
+                    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                           attn_mask=dense, enable_gqa=True)
+                    worst = max(worst, float((fn(q, k, v).float() - ref).abs().max()))
+                res[key] = dict(status="ok", max_diff=worst, options=options)
+            except Exception:  # noqa: BLE001
+                res[key] = dict(status="error", options=options, error=traceback.format_exc()[-1500:])
+            print(f"FlexAttention {key}: {res[key].get('status')} max|diff| {res[key].get('max_diff')} "
+                  f"options {res[key].get('options')} {res[key].get('error', '')[-300:]}", flush=True)
+
+
+def bundled_pair_check(device, out, budgets):
+    """The bundled tiny pair in float32 on this device: compiled (CUDA graphs) dflash and ddtree at each budget,
+    every token against eager AR (trained weights: greedy ties are rare, so tokens must match)."""
+    target = Qwen3.from_pretrained(os.path.join(ROOT, "assets", "tiny-target"), device=device, dtype=torch.float32)
+    drafter = DFlashDrafter.from_pretrained(os.path.join(ROOT, "assets", "tiny-draft"), device=device,
+                                            dtype=torch.float32).bind(target)
+    prompt = list(range(5, 45))
+    ref = generate(target, None, prompt, method="ar", max_new_tokens=96, stop_ids=[]).tokens
+    res = out["bundled_pair"] = {}
+    for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]:
+        key = method if budget is None else f"ddtree-B{budget}"
+        t = time.time()
+        try:
+            r = generate(target, drafter if method != "ar" else None, prompt, method=method, budget=budget,
+                         max_new_tokens=96, compile=True, stop_ids=[])
+            r2 = generate(target, drafter if method != "ar" else None, prompt, method=method, budget=budget,
+                          max_new_tokens=96, compile=True, stop_ids=[])
+            res[key] = dict(status="ok", equal_to_eager_ar=r.tokens == ref, repeat_equal=r2.tokens == r.tokens,
+                            tau=r2.stats["tau"], tokens_per_s=r2.stats["tokens_per_s"], seconds=time.time() - t)
+        except Exception:  # noqa: BLE001
+            res[key] = dict(status="error", error=traceback.format_exc()[-3000:], seconds=time.time() - t)
+        print(f"bundled pair {key}: {res[key]}", flush=True)
 
 
 def copy_bandwidth(device, gib=1.0):
@@ -222,6 +337,8 @@ def main():
     p.add_argument("--small", action="store_true", help="a small model (to smoke-test the script on a CPU)")
     p.add_argument("--budgets", type=int, nargs="+", default=[512, 64, 1024, 256, 16])  # the paper's first
     p.add_argument("--e2e-budget", type=int, default=64)
+    p.add_argument("--pair-budgets", type=int, nargs="*", default=[4, 16, 64],
+                   help="ddtree budgets of the bundled pair's float32 check (compiled vs eager AR)")
     p.add_argument("--moe-budgets", type=int, nargs="*", default=[16, 64, 256, 512],
                    help="verify budgets on the 30B-A3B-shaped MoE target (none: skip the MoE section)")
     p.add_argument("--batch-budgets", type=int, nargs="*", default=[64, 512],
@@ -252,7 +369,17 @@ def main():
             return False
         return True
 
+    def run(name, fn, graphs=0):
+        """fn() as one guarded section, if its graphs fit before the deadline."""
+        if section(name, graphs):
+            with guarded(out, name, device):
+                fn()
+
     with torch.inference_mode():
+        out["versions"] = versions(device)
+        print(f"versions: {out['versions']}", flush=True)
+        run("flex vs sdpa", lambda: flex_check(device, dtype, out))
+        run("bundled pair", lambda: bundled_pair_check(device, out, a.pair_budgets))
         target, drafter = build(SMALL if a.small else QWEN3_8B, device, dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
         bandwidth = copy_bandwidth(device, 0.25 if a.small else 2.0)
@@ -261,14 +388,17 @@ def main():
         print(f"{out['device']}: target weights {weight_bytes / 1e9:.2f} GB, copy bandwidth "
               f"{bandwidth / 1e9:.0f} GB/s -> AR floor {floor_ms:.2f} ms/token", flush=True)
         modes = ["eager", "compiled"] + (["cudagraphs"] if device.type == "cuda" else [])
+
+        def ar_mode(mode):
+            ms, first_s = ar_steps(target, device, None if mode == "eager" else mode)
+            if mode == "compiled":
+                per_graph["s"] = out["compile_s_per_graph"] = first_s
+            out[f"ar_{mode}_ms"] = ms
+            print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor); first call "
+                  f"{first_s:.1f} s  [{time.time() - t0:.0f} s]", flush=True)
+
         for mode in modes:
-            if section(f"AR step {mode}", graphs=0 if mode == "eager" else 1):
-                ms, first_s = ar_steps(target, device, None if mode == "eager" else mode)
-                if mode == "compiled":
-                    per_graph["s"] = out["compile_s_per_graph"] = first_s
-                out[f"ar_{mode}_ms"] = ms
-                print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor); first call "
-                      f"{first_s:.1f} s  [{time.time() - t0:.0f} s]", flush=True)
+            run(f"AR step {mode}", lambda: ar_mode(mode), graphs=0 if mode == "eager" else 1)
         out["rounds"] = {}
         cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "round", "tree_work"] + (
             ["tree_work_nograph"] if device.type == "cuda" else [])
@@ -276,36 +406,48 @@ def main():
               " context), compiled as the engine runs them (CUDA graphs on the GPU); tree_work: tree + mask + walk"
               " compiled together, with and without CUDA graphs; overhead: tree + mask + walk + compact share of the"
               " stages; compiled: (round - draft - context - verify) / round)", flush=True)
-        # The paper's budget first (draft, verify, context and round, plus two small tree-work graphs), then
-        # generate() end to end (3 new graphs: AR prefill, DDTree prefill and round), then the other budgets
-        # (verify and round, plus the tree work).
-        run_round(a, a.budgets[0], target, drafter, out, section, t0, 5, cols)
-        if section("end to end", graphs=3):
-            e2e = end_to_end(target, drafter, a.e2e_budget)
-            out["end_to_end"] = {m: {k: v for k, v in e2e[m].items() if k != "tokens"} for m in ("ar", "ddtree")}
-            out["end_to_end"]["agree_prefix"] = e2e["agree_prefix"]
+
+        def e2e():
+            res = end_to_end(target, drafter, a.e2e_budget)
+            out["end_to_end"] = {m: {k: v for k, v in res[m].items() if k != "tokens"} for m in ("ar", "ddtree")}
+            out["end_to_end"]["agree_prefix"] = res["agree_prefix"]
             for m in ("ar", "ddtree"):
-                r = e2e[m]
+                r = res[m]
                 print(f"generate {m:6s} compiled{' + CUDA graphs' if device.type == 'cuda' else ''}: "
                       f"{r['tokens_per_s']:8.1f} tok/s, tau {r['tau']:.2f}, two runs identical: {r['repeatable']}"
                       f"  [{time.time() - t0:.0f} s]", flush=True)
-            print(f"DDTree B={a.e2e_budget} and AR agree on the first {e2e['agree_prefix']} of "
-                  f"{len(e2e['ar']['tokens'])} tokens (random weights: near ties)", flush=True)
-        for budget in a.budgets[1:]:
-            run_round(a, budget, target, drafter, out, section, t0, 3, cols)
-        batched_section(a, target, drafter, out, section, t0)
-        auto_section(a, target, drafter, out, section, t0)
-        if section("tree alone", graphs=0):
+            print(f"DDTree B={a.e2e_budget} and AR agree on the first {res['agree_prefix']} of "
+                  f"{len(res['ar']['tokens'])} tokens (random weights: near ties)", flush=True)
+
+        def one_round(budget, graphs):
+            with guarded(out, f"round B={budget}", device):
+                run_round(a, budget, target, drafter, out, section, t0, graphs, cols)
+
+        def tree():
             t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
             out["tree_alone"] = t
             print(f"tree build alone (V={target.config.vocab_size}, depth 15, B=512): heap {t['heap_ms']:.2f} ms, "
                   f"tensor eager {t['tensor_eager_ms']:.2f} ms, compiled {t['tensor_compiled_ms']:.2f} ms, "
                   f"identical: {t['equal']}")
+
+        # The paper's budget first (draft, verify, context and round, plus two small tree-work graphs), then
+        # generate() end to end (3 new graphs: AR prefill, DDTree prefill and round), then the other budgets
+        # (verify and round, plus the tree work).
+        one_round(a.budgets[0], 5)
+        run("end to end", e2e, graphs=3)
+        for budget in a.budgets[1:]:
+            one_round(budget, 3)
+        with guarded(out, "batched", device):
+            batched_section(a, target, drafter, out, section, t0)
+        with guarded(out, "budget auto", device):
+            auto_section(a, target, drafter, out, section, t0)
+        run("tree alone", tree)
         if a.moe_budgets:
             del target, drafter  # the 30B-shaped target (61 GB in bf16) takes the 8B pair's place
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            moe_section(a, device, dtype, bandwidth, out, section, t0)
+            with guarded(out, "moe", device):
+                moe_section(a, device, dtype, bandwidth, out, section, t0)
     sync(device)
     # Graphs that CUDA graph trees refused (mutated inputs they cannot pin, CPU ops, ...) ran uncaptured; the
     # reasons are in the log lines above ("skipping cudagraphs due to ...").
