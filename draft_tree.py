@@ -55,13 +55,15 @@ def order_key(score: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
 
     topk and sort are not stable, and topk's choice among equal values is unspecified, so we fold the tie-break
     into the value itself: the float32 bits mapped to a monotone int32 in the high half, the inverted tie in the
-    low half. Keys are then distinct and a plain topk gives exactly the ordered top entries. 0 <= tie < 2**32.
+    low half. Keys are then distinct and a plain topk gives exactly the ordered top entries. 0 <= tie < 2**31:
+    where `tie` is an arange, inductor folds 2**31 - 1 - tie into an index expression, which Triton types as int32
+    (2**32 - 1 there fails to compile).
     """
     bits = score.contiguous().view(torch.int32)
     # Non-negative floats order like their bits; a negative one is minus its magnitude bits (which also maps
     # -0.0 to 0, as the heap's float comparison has -0.0 == 0.0).
     mono = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits).to(torch.int64)
-    return mono * 2**32 + (2**32 - 1 - tie)
+    return mono * 2**32 + (2**31 - 1 - tie)
 
 
 def topk_per_depth(logq: torch.Tensor, k: int):
@@ -126,7 +128,7 @@ def build_tree(logq: torch.Tensor, budget: int):
     """
     if logq.dim() == 2:
         return tuple(t.squeeze(0) for t in build_tree(logq.unsqueeze(0), budget))
-    assert budget >= 1 and budget * min(budget, logq.shape[-1]) < 2**32  # tie-breaks must fit order_key
+    assert budget >= 1 and budget * min(budget, logq.shape[-1]) < 2**31  # tie-breaks must fit order_key
     batch, L, V = logq.shape
     K = min(budget, V)
     dev = logq.device

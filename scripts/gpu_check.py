@@ -210,28 +210,45 @@ def flex_check(device, dtype, out):
                   f"options {res[key].get('options')} {res[key].get('error', '')[-300:]}", flush=True)
 
 
-def bundled_pair_check(device, out, budgets):
-    """The bundled tiny pair in float32 on this device: compiled (CUDA graphs) dflash and ddtree at each budget,
-    every token against eager AR (trained weights: greedy ties are rare, so tokens must match)."""
+def bundled_pair_check(device, out, budgets, modes, save):
+    """The bundled tiny pair in float32 on this device: dflash and ddtree at each budget, eager, compiled without
+    CUDA graphs and compiled as users run it (CUDA graphs on the GPU), every token against eager AR (trained
+    weights: greedy ties are rare, so the tokens must match), run twice; where they differ, the first differing
+    position says which mode breaks."""
     target = Qwen3.from_pretrained(os.path.join(ROOT, "assets", "tiny-target"), device=device, dtype=torch.float32)
     drafter = DFlashDrafter.from_pretrained(os.path.join(ROOT, "assets", "tiny-draft"), device=device,
                                             dtype=torch.float32).bind(target)
     prompt = list(range(5, 45))
     ref = generate(target, None, prompt, method="ar", max_new_tokens=96, stop_ids=[]).tokens
     res = out["bundled_pair"] = {}
-    for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]:
-        key = method if budget is None else f"ddtree-B{budget}"
-        t = time.time()
+    plain_compile = torch.compile
+    for mode in modes:
+        ddtree._ENGINES.clear()
+        torch._dynamo.reset()
+        if mode == "compiled-no-graphs":  # the engine's compiles without CUDA graphs
+            torch.compile = lambda fn, **kw: plain_compile(fn, **dict(kw, mode=None))
         try:
-            r = generate(target, drafter if method != "ar" else None, prompt, method=method, budget=budget,
-                         max_new_tokens=96, compile=True, stop_ids=[])
-            r2 = generate(target, drafter if method != "ar" else None, prompt, method=method, budget=budget,
-                          max_new_tokens=96, compile=True, stop_ids=[])
-            res[key] = dict(status="ok", equal_to_eager_ar=r.tokens == ref, repeat_equal=r2.tokens == r.tokens,
-                            tau=r2.stats["tau"], tokens_per_s=r2.stats["tokens_per_s"], seconds=time.time() - t)
-        except Exception:  # noqa: BLE001
-            res[key] = dict(status="error", error=traceback.format_exc()[-3000:], seconds=time.time() - t)
-        print(f"bundled pair {key}: {res[key]}", flush=True)
+            for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]:
+                if mode == "eager" and method == "ar":
+                    continue
+                key = f"{mode}/{method}" + ("" if budget is None else f"-B{budget}")
+                t = time.time()
+                try:
+                    runs = [generate(target, drafter if method != "ar" else None, prompt, method=method,
+                                     budget=budget, max_new_tokens=96, compile=mode != "eager", stop_ids=[])
+                            for _ in range(2)]
+                    first_diff = next((i for i, (x, y) in enumerate(zip(runs[1].tokens, ref)) if x != y), None)
+                    res[key] = dict(status="ok", equal_to_eager_ar=runs[1].tokens == ref, first_diff=first_diff,
+                                    repeat_equal=runs[0].tokens == runs[1].tokens, tau=runs[1].stats["tau"],
+                                    tokens_per_s=runs[1].stats["tokens_per_s"], seconds=time.time() - t)
+                except Exception:  # noqa: BLE001
+                    res[key] = dict(status="error", error=traceback.format_exc()[-3000:], seconds=time.time() - t)
+                save()
+                print(f"bundled pair {key}: { {k: v for k, v in res[key].items() if k != 'error'} } "
+                      f"{res[key].get('error', '')[-400:]}", flush=True)
+        finally:
+            torch.compile = plain_compile
+    ddtree._ENGINES.clear()
 
 
 def copy_bandwidth(device, gib=1.0):
@@ -341,6 +358,11 @@ def main():
                    help="ddtree budgets of the bundled pair's float32 check (compiled vs eager AR)")
     p.add_argument("--moe-budgets", type=int, nargs="*", default=[16, 64, 256, 512],
                    help="verify budgets on the 30B-A3B-shaped MoE target (none: skip the MoE section)")
+    p.add_argument("--pair-modes", nargs="+", default=["cudagraphs"],
+                   choices=["eager", "compiled-no-graphs", "cudagraphs"],
+                   help="how the bundled pair runs: eager, compiled without CUDA graphs, or as users run it")
+    p.add_argument("--parts", nargs="+", default=["flex", "pair", "8b"], choices=["flex", "pair", "8b"],
+                   help="which parts run (8b: the 8B-shaped pair, then the MoE target)")
     p.add_argument("--batch-budgets", type=int, nargs="*", default=[64, 512],
                    help="generate_batch at these budgets, batches of --batches (none: skip the batched section)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
@@ -378,8 +400,14 @@ def main():
     with torch.inference_mode():
         out["versions"] = versions(device)
         print(f"versions: {out['versions']}", flush=True)
-        run("flex vs sdpa", lambda: flex_check(device, dtype, out))
-        run("bundled pair", lambda: bundled_pair_check(device, out, a.pair_budgets))
+        if "flex" in a.parts:
+            run("flex vs sdpa", lambda: flex_check(device, dtype, out))
+        if "pair" in a.parts:
+            run("bundled pair", lambda: bundled_pair_check(device, out, a.pair_budgets, a.pair_modes,
+                                                                   lambda: a.json and write_json(a.json, out)))
+        if "8b" not in a.parts:
+            write_json(a.json, out) if a.json else None
+            return
         target, drafter = build(SMALL if a.small else QWEN3_8B, device, dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
         bandwidth = copy_bandwidth(device, 0.25 if a.small else 2.0)
