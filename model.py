@@ -300,7 +300,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :kv], self.v_cache[:, :, :kv], attn_mask=mask,
                                                  scale=scale, enable_gqa=gqa)
         else:
-            options = flex_kernel_options(q_len, self.heads, self.kv_heads, q.device.type)
+            options = flex_kernel_options(q_len, q.device.type)
             out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale, enable_gqa=gqa,
                                  kernel_options=options)
         return self.o_proj(out.transpose(1, 2).reshape(n, q_len, self.heads * self.head_dim))

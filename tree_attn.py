@@ -39,17 +39,16 @@ def round_up(n: int, multiple: int = BLOCK) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def flex_kernel_options(q_len: int, heads: int, kv_heads: int, device_type: str) -> dict | None:
-    """FlexAttention's kernel options for a call of q_len query rows, or None for its defaults. On CUDA, inductor
-    sends a query of fewer than BLOCK rows with a power-of-two GQA ratio G to its decoding kernel, whose query tile
-    is max(next_pow2(q_len * G), 16) rows and must divide the mask's BLOCK-row query blocks; past that every config
-    is dropped and the compile fails (NoValidChoicesError, pytorch/pytorch#185349): with G = 4, 33 to 127 rows.
-    Those calls take the main Triton kernel instead."""
-    g = heads // kv_heads
-    if device_type != "cuda" or q_len >= BLOCK or g & (g - 1):
-        return None
-    tile = max(1 << (q_len * g - 1).bit_length(), 16)
-    if BLOCK % tile == 0:
+def flex_kernel_options(q_len: int, device_type: str) -> dict | None:
+    """FlexAttention's kernel options for a call of q_len query rows, or None for its defaults.
+
+    On CUDA, inductor sends a query of fewer than BLOCK rows (with a power-of-two GQA ratio) to its decoding
+    kernel. Under our masks that kernel is measured right for one row (plain decoding) and wrong for a few rows
+    (benchmarks/2026-12-04-h200-gpu_check_pair.json, torch 2.11: the bundled pair's 8-row chain and 17-row B = 16
+    tree left eager AR's tokens at the first round, compiled with or without CUDA graphs, while 65 rows through the
+    main kernel matched); from 33 rows at G = 4 it does not even compile (NoValidChoicesError, pytorch/pytorch#185349).
+    So every call of 2 to BLOCK - 1 rows (draft blocks, verifies) takes the main Triton kernel."""
+    if device_type != "cuda" or q_len == 1 or q_len >= BLOCK:
         return None
     return {"BACKEND": "TRITON"} if "BACKEND" in FlexKernelOptions.__annotations__ else {
         "FORCE_USE_FLEX_ATTENTION": True}

@@ -165,49 +165,69 @@ def guarded(out, name, device):
 
 
 def flex_check(device, dtype, out):
-    """Compiled FlexAttention under a PrefixMask (the engine's kernel options) against SDPA with the mask written
-    out, per query length and GQA ratio: the lengths the engine runs (decode, draft block, B + 1, prefill chunk)."""
+    """Compiled FlexAttention under a PrefixMask against SDPA with the mask written out, per query length and GQA
+    ratio: the lengths the engine runs (decode, draft block, B + 1, prefill chunk), with the engine's kernel
+    options and, at some lengths, inductor's defaults. The `write` cases do as the engine's layers do: float32,
+    the rows' K/V written into the cache inside the same graph, then attended."""
     res = out["flex_vs_sdpa"] = {}
     kv_len, dim = 1024, 128
-    torch._dynamo.config.recompile_limit = 64  # one graph per shape below
-    cases = [(4, q, True) for q in (1, 16, 17, 33, 65, 128, 257, 513)] + [(8, 17, True), (8, 65, True), (2, 65, True)]
-    cases.append((4, 65, False))  # inductor's default kernel choice at a length the options exist for
-    for g, q_len, ours in cases:
-            key = f"G{g}-q{q_len}" + ("" if ours else "-default-options")
-            options = None
-            try:
-                heads = 4 * g
-                mask = PrefixMask(q_len, kv_len, device)
-                options = flex_kernel_options(q_len, heads, 4, device.type) if ours else None
-                fn = torch.compile(lambda q, k, v: torch.nn.attention.flex_attention.flex_attention(
-                    q, k, v, block_mask=mask.block_mask, enable_gqa=True, kernel_options=options),
-                    dynamic=False, fullgraph=True)
-                worst = 0.0
-                for prefix in (0, 130, kv_len - q_len - 1):
-                    gen = torch.Generator(device="cpu").manual_seed(q_len + prefix)
-                    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in
-                                                   range(1, q_len)])
-                    anc = torch.zeros(q_len, q_len, dtype=torch.bool)
-                    for i in range(q_len):  # ancestor-or-self rows of a random tree, written out
-                        j = i
-                        while j >= 0:
-                            anc[i, j] = True
-                            j = int(parents[j])
-                    mask.set(prefix, anc.to(device))
-                    q = torch.randn(1, heads, q_len, dim, device=device, dtype=dtype)
-                    k = torch.randn(1, 4, kv_len, dim, device=device, dtype=dtype)
-                    v = torch.randn(1, 4, kv_len, dim, device=device, dtype=dtype)
-                    dense = torch.zeros(q_len, kv_len, dtype=torch.bool, device=device)
-                    dense[:, :prefix] = True
-                    dense[:, prefix:prefix + q_len] = anc.to(device)
-                    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                                           attn_mask=dense, enable_gqa=True)
-                    worst = max(worst, float((fn(q, k, v).float() - ref).abs().max()))
-                res[key] = dict(status="ok", max_diff=worst, options=options)
-            except Exception:  # noqa: BLE001
-                res[key] = dict(status="error", options=options, error=traceback.format_exc()[-1500:])
-            print(f"FlexAttention {key}: {res[key].get('status')} max|diff| {res[key].get('max_diff')} "
-                  f"options {res[key].get('options')} {res[key].get('error', '')[-300:]}", flush=True)
+    torch._dynamo.config.recompile_limit = 64  # one graph per case below
+    cases = [(4, q, True, False) for q in (1, 16, 17, 33, 65, 128, 257, 513)]
+    cases += [(8, 17, True, False), (8, 65, True, False), (2, 65, True, False), (4, 65, False, False)]
+    cases += [(g, q, ours, True) for g, q in ((2, 8), (2, 17), (4, 16)) for ours in (True, False)]
+    for g, q_len, ours, write in cases:
+        key = f"G{g}-q{q_len}" + ("" if ours else "-default-options") + ("-write-f32" if write else "")
+        options = flex_kernel_options(q_len, device.type) if ours else None
+        try:
+            res[key] = dict(status="ok", options=options,
+                            max_diff=flex_case(device, torch.float32 if write else dtype, g, q_len, kv_len, dim,
+                                               options, write))
+        except Exception:  # noqa: BLE001
+            res[key] = dict(status="error", options=options, error=traceback.format_exc()[-1500:])
+        print(f"FlexAttention {key}: {res[key].get('status')} max|diff| {res[key].get('max_diff')} "
+              f"options {res[key].get('options')} {res[key].get('error', '')[-300:]}", flush=True)
+
+
+def flex_case(device, dtype, g, q_len, kv_len, dim, options, write):
+    """The largest |difference| from SDPA over three prefixes (none, one full block, the cache's end) of random
+    trees."""
+    heads, kv_heads = 4 * g, 4
+    mask = PrefixMask(q_len, kv_len, device)
+    flex = torch.nn.attention.flex_attention.flex_attention
+
+    def attend(q, k, v, k_new, v_new, slots):
+        if write:
+            k.index_copy_(2, slots, k_new)
+            v.index_copy_(2, slots, v_new)
+        return flex(q, k, v, block_mask=mask.block_mask, enable_gqa=True, kernel_options=options)
+
+    attend = torch.compile(attend, dynamic=False, fullgraph=True)
+    worst = 0.0
+    for prefix in (0, 130, kv_len - q_len - 1):
+        gen = torch.Generator().manual_seed(q_len + prefix)
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q_len)]
+        anc = torch.zeros(q_len, q_len, dtype=torch.bool)
+        for i in range(q_len):  # ancestor-or-self rows of a random tree, written out
+            j = i
+            while j >= 0:
+                anc[i, j] = True
+                j = parents[j]
+        anc = anc.to(device)
+        mask.set(prefix, anc)
+        q = torch.randn(1, heads, q_len, dim, device=device, dtype=dtype)
+        k, v = (torch.randn(1, kv_heads, kv_len, dim, device=device, dtype=dtype) for _ in range(2))
+        k_new, v_new = (torch.randn(1, kv_heads, q_len, dim, device=device, dtype=dtype) for _ in range(2))
+        slots = torch.arange(prefix, prefix + q_len, device=device)
+        if not write:  # the reference sees the new rows either way
+            k[:, :, slots], v[:, :, slots] = k_new, v_new
+        got = attend(q, k, v, k_new, v_new, slots).float()
+        dense = torch.zeros(q_len, kv_len, dtype=torch.bool, device=device)
+        dense[:, :prefix] = True
+        dense[:, prefix:prefix + q_len] = anc
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=dense,
+                                                               enable_gqa=True)
+        worst = max(worst, float((got - ref).abs().max()))
+    return worst
 
 
 def bundled_pair_check(device, out, budgets, modes, save):

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from draft_tree import (accepted_within, chain_accepted, ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, format_tree, pairs_within,
-                        topk_per_depth)
+from draft_tree import (accepted_within, chain_accepted, ancestor_matrix, build_tree, build_tree_heap, candidate_pairs,
+                        format_tree, order_key, pairs_within, topk_per_depth)
 
 INF = math.inf
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -416,3 +416,15 @@ def test_chain_accepted_read_off_the_tree_equals_walking_the_chain(case, seed):
         in_tree = set(prefixes[n])
         d_in = next((d for d in range(L) if spine[d] not in in_tree), L)  # the chain's nodes the tree holds
         assert int(got[n]) == min(walked, d_in + 1), (n, got[n], walked, d_in)
+
+
+def test_order_key_tie_half_fits_int32():
+    # Where the tie is an arange, inductor folds (constant - tie) into an index expression that Triton types as
+    # int32: the constant must fit (2**32 - 1 failed to compile on an H200, benchmarks/2026-12-04-h200-*). The keys
+    # still order by score descending, then tie ascending.
+    score = torch.tensor([0.5, 0.5, -1.0, 0.0, -0.0, 0.5])
+    tie = torch.tensor([0, 7, 3, 2**31 - 1, 4, 2**20])
+    key = order_key(score, tie)
+    low = key & (2**32 - 1)
+    assert (low < 2**31).all() and (low >= 0).all()
+    assert key.argsort(descending=True).tolist() == [0, 1, 5, 4, 3, 2]  # -0.0 ties 0.0

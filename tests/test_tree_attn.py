@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
 from draft_tree import ancestor_matrix, build_tree
-from tree_attn import PrefixMask, causal, compact_kv, dense_mask
+from tree_attn import BLOCK, PrefixMask, causal, compact_kv, dense_mask, flex_kernel_options
 
 KV_LEN = 256
 
@@ -170,3 +170,25 @@ def test_compact_kv_moves_each_requests_path_in_its_own_row():
         single = before[n:n + 1].clone()
         compact_kv([single], prefix, torch.tensor(path))
         assert torch.equal(cache[n:n + 1], single)
+
+
+def test_flex_kernel_options_send_every_multi_row_cuda_call_to_the_main_kernel():
+    # Every query length the engine runs: decode, draft blocks (the bundled drafter's 8, z-lab's 16), B + 1 for
+    # every budget it accepts, the prefill chunk. Inductor's decoding kernel takes CUDA queries of fewer than BLOCK
+    # rows; under our masks it is measured right for one row only (tree_attn.flex_kernel_options), and the main
+    # kernel's option must be one this torch accepts.
+    from torch._inductor.runtime.runtime_utils import next_power_of_2
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+    from ddtree import PREFILL_CHUNK
+    lengths = {1, 8, 16, PREFILL_CHUNK} | {budget + 1 for budget in range(1, 1025)}
+    for q_len in sorted(lengths):
+        options = flex_kernel_options(q_len, "cuda")
+        assert flex_kernel_options(q_len, "cpu") is None
+        if 1 < q_len < BLOCK:
+            assert options is not None and set(options) <= set(FlexKernelOptions.__annotations__), q_len
+            assert options.get("BACKEND", "TRITON") == "TRITON" and options.get("FORCE_USE_FLEX_ATTENTION", True)
+        else:
+            assert options is None, q_len
+            if q_len == 1:  # the decoding kernel's tile (inductor's rule) fits the mask's query block
+                for group in (1, 2, 4, 8):
+                    assert BLOCK % max(next_power_of_2(q_len * group), 16) == 0
