@@ -308,9 +308,7 @@ class Engine:
         """One round for every request: per request, the new token ids (accepted drafts, then the target's own
         next token; for ar just that token) and, with show_tree, the round's tree. Makes the round's one host
         read."""
-        # Under CUDA graphs a call's outputs live in the graph's memory pool, which the next replay overwrites:
-        # feed back a copy of the token (as gpt-fast does), never the output itself.
-        rows, length, token, ok, tree, tally = self.run_round(self.token.clone(), self.position, *self.randomness())
+        rows, length, token, ok, tree, tally = self.run_round(self.token, self.position, *self.randomness())
         out = torch.cat([rows.flatten(), length, token, ok.long()] + ([] if tally is None else [tally.flatten()]))
         out = out.tolist()
         width, b = rows.shape[1], self.batch
@@ -321,7 +319,10 @@ class Engine:
             self.last_tally = [out[b * width + 3 * b + i * k: b * width + 3 * b + (i + 1) * k] for i in range(b)]
         if not all(o for o, g in zip(oks, self.generators) if g is not None):  # the running requests' draws
             raise ValueError(NON_FINITE)
-        self.token, self.position = token, self.position + length * self.live
+        # Under CUDA graphs a call's outputs live in a memory pool that any later compiled call (this engine's or
+        # another's: a catch-up, a switch of budget auto) may overwrite: what outlives the step is copied here, at
+        # the store (tests/test_graph_pool.py emulates the pool on the CPU).
+        self.token, self.position = token.clone(), self.position + length * self.live
         new = []
         for i in range(b):  # rows[i, 0] is the previous token, emitted last step
             row = out[i * width: i * width + lengths[i]]

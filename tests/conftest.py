@@ -104,3 +104,72 @@ def assert_one_error_line(code, err, message):
     """Bad input ends as one `error:` line holding `message`, exit status 2."""
     assert code == 2, err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+class GraphPool:
+    """A CPU emulation of what CUDA graph trees do with the outputs of compiled steps: in inference, each replay may
+    reuse the memory pool that earlier outputs live in, so an output read after any later compiled call may hold
+    that call's values. Here every output of an engine's step (its round, its prefill chunk) that is not one of its
+    inputs, weights, caches or masks is poisoned in place (NaN, a huge token id, False) as soon as any step of any
+    engine runs again: a stale read then fails loudly or changes the tokens, where on a GPU it would be silent.
+    The engines run eagerly: only their outputs' lifetime is emulated."""
+
+    SENTINEL = 2**40 + 7
+
+    def __init__(self):
+        self.outputs = []
+        self.poisoned = 0
+
+    def install(self, monkeypatch):
+        import ddtree
+        init = ddtree.Engine.__init__
+        pool = self
+
+        def wrapped_init(engine, *args, **kwargs):
+            init(engine, *args, **kwargs)
+            engine.round = pool.wrap(engine, engine.round)
+            engine.prefill_step = pool.wrap(engine, engine.prefill_step)
+
+        monkeypatch.setattr(ddtree.Engine, "__init__", wrapped_init)
+        return self
+
+    def wrap(self, engine, step):
+        def compiled_step(*args):
+            self.poison()
+            out = step(*args)
+            owned = {t.untyped_storage().data_ptr() for t in self.state_of(engine, args)}
+            self.outputs = [t for t in tensors_in(out) if t.untyped_storage().data_ptr() not in owned]
+            return out
+        return compiled_step
+
+    @staticmethod
+    def state_of(engine, args):
+        from tree_attn import PrefixMask
+        yield from tensors_in(args)
+        for model in (engine.target, engine.drafter):
+            if model is not None:
+                yield from model.parameters()
+                yield from model.buffers()
+        for mask in vars(engine).values():
+            if isinstance(mask, PrefixMask):
+                yield from tensors_in(tuple(vars(mask).values()))
+
+    def poison(self):
+        for t in self.outputs:
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            elif t.dtype == torch.bool:
+                t.fill_(False)
+            else:
+                t.fill_(self.SENTINEL)
+            self.poisoned += 1
+        self.outputs = []
+
+
+def tensors_in(obj):
+    """The tensors in nested tuples and lists."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from tensors_in(x)

@@ -1,0 +1,50 @@
+"""Under the CUDA graph output emulation (conftest.GraphPool: every step output is poisoned as soon as any step
+runs again), every method, a shrinking batch and budget auto switching through plain decoding give exactly their
+runs without it: no output of a compiled call is read after the next one."""
+
+import pytest
+
+import ddtree
+from budget import AutoBudget
+from conftest import GraphPool
+from ddtree import generate_batch
+from test_batch import STOP, ragged_prompts, write_pair
+from test_budget import GRID, SWITCHES, forced
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, one_thread):
+    return write_pair(tmp_path_factory.mktemp("pool"))
+
+
+RUNS = [("ar", dict(temperature=1.0)), ("dflash", {}), ("dflash", dict(temperature=0.9, draft_sampling=True)),
+        ("ddtree", dict(budget=6)), ("ddtree", dict(budget=6, temperature=0.9, top_p=0.9))]
+
+
+@pytest.mark.parametrize("method, kw", RUNS, ids=["ar-sampled", "dflash", "dflash-sampled", "ddtree",
+                                                  "ddtree-sampled"])
+def test_methods_and_shrinking_batches_read_no_stale_output(pair, monkeypatch, method, kw):
+    target, drafter = pair
+    prompts, seeds = ragged_prompts(5, seed=7), list(range(40, 45))
+    run = lambda: generate_batch(target, drafter, prompts, method=method, max_new_tokens=24, seeds=seeds,
+                                 stop_ids=[STOP], max_batch=4, **kw)
+    plain = [r.tokens for r in run()]
+    ddtree._ENGINES.clear()
+    pool = GraphPool().install(monkeypatch)
+    assert [r.tokens for r in run()] == plain
+    assert pool.poisoned > 0
+
+
+def test_budget_auto_switching_through_plain_decoding_reads_no_stale_output(pair, monkeypatch):
+    target, drafter = pair
+    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", GRID)
+    prompts = ragged_prompts(5, seed=3)
+    run = lambda: generate_batch(target, drafter, prompts, budget="auto", max_new_tokens=40, stop_ids=[STOP],
+                                 max_batch=4)
+    monkeypatch.setattr(AutoBudget, "choose", forced(SWITCHES))
+    plain = [r.tokens for r in run()]
+    ddtree._ENGINES.clear()
+    pool = GraphPool().install(monkeypatch)
+    monkeypatch.setattr(AutoBudget, "choose", forced(SWITCHES))
+    assert [r.tokens for r in run()] == plain
+    assert pool.poisoned > 0
