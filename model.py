@@ -330,7 +330,7 @@ class SparseMoE(nn.Module):
     tensors of the checkpoint).
 
     How rows meet their experts depends only on shapes, so it is fixed per compiled graph:
-    - grouped GEMM (torch._grouped_mm: bf16 on CUDA): the (row, expert) pairs sorted by expert, two grouped
+    - grouped GEMM (torch._grouped_mm: bf16 on CUDA sm90 / sm100): the (row, expert) pairs sorted by expert, two grouped
       matmuls over the stacked weights; no weight is copied, each touched expert is read once;
     - few pairs (rows x top-k <= experts: a decode step, a small verify): each pair's expert weights gathered, so
       only the chosen experts are read;
@@ -358,13 +358,9 @@ class SparseMoE(nn.Module):
     def forward(self, x):
         shape, x = x.shape, x.reshape(-1, x.shape[-1])  # rows of any leading shape (training runs batches)
         ids, weights = self.route(x)
-        if grouped_mm_supported(x):
-            out = self.grouped(x, ids, weights)
-        elif x.shape[0] * self.top_k <= self.experts.gate_proj.shape[0]:
-            out = self.gathered(x, ids, weights)
-        else:
-            out = self.all_experts(x, ids, weights)
-        return out.view(shape)
+        path = expert_path(x.device.type, x.dtype, device_capability(x.device), x.shape[0] * self.top_k,
+                           self.experts.gate_proj.shape[0])
+        return getattr(self, path)(x, ids, weights).view(shape)
 
     def gathered(self, x, ids, weights):
         e = self.experts
@@ -372,7 +368,7 @@ class SparseMoE(nn.Module):
         xr = x.repeat_interleave(self.top_k, dim=0)  # [R * k, H], pair j = (row j // k, its j % k-th expert)
         h = F.silu(torch.einsum("ph,pih->pi", xr, e.gate_proj[flat])) * torch.einsum("ph,pih->pi", xr, e.up_proj[flat])
         out = torch.einsum("pi,phi->ph", h, e.down_proj[flat]) * weights.reshape(-1, 1)
-        return out.view(x.shape[0], self.top_k, -1).sum(1)
+        return out.view(x.shape[0], self.top_k, -1).float().sum(1).to(x.dtype)
 
     def all_experts(self, x, ids, weights):
         e = self.experts
@@ -393,12 +389,39 @@ class SparseMoE(nn.Module):
         h = F.silu(torch._grouped_mm(xs, e.gate_proj.transpose(1, 2), offs=offs)) * \
             torch._grouped_mm(xs, e.up_proj.transpose(1, 2), offs=offs)
         out = torch._grouped_mm(h, e.down_proj.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, rows, out)
+        return combine_pairs(out, order, x.shape[0], self.top_k).to(x.dtype)
+
+
+def combine_pairs(out, order, rows: int, top_k: int):
+    """Row sums [rows, H] (float32) of pair outputs sorted by expert (out [rows * top_k, H], order: the sort):
+    the pairs go back to row order, then each row's top_k are summed in a fixed order, in float32. An index_add_
+    into the rows would sum them with atomics on CUDA, in whatever order the threads arrive: bits that change
+    from run to run."""
+    pairs = torch.empty_like(out)
+    pairs[order] = out  # a permutation: every slot written once
+    return pairs.view(rows, top_k, -1).float().sum(1)
+
+
+def expert_path(device_type: str, dtype, capability, pairs: int, experts: int) -> str:
+    """Which SparseMoE path serves a forward of `pairs` (row, expert) pairs. torch._grouped_mm in bf16 on CUDA
+    has its fast kernels on sm90 and sm100 only; elsewhere (an A100: sm80) it loops over the groups with a
+    device-to-host sync, which breaks CUDA graph capture (pytorch/pytorch#186620). Then, and off CUDA, few pairs
+    gather their experts' weights and many run every expert."""
+    if hasattr(torch, "_grouped_mm") and device_type == "cuda" and dtype == torch.bfloat16 and \
+            capability is not None and capability[0] in (9, 10):
+        return "grouped"
+    return "gathered" if pairs <= experts else "all_experts"
+
+
+@torch.compiler.assume_constant_result
+def device_capability(device) -> tuple | None:
+    """A CUDA device's compute capability (None off CUDA), a constant inside compiled graphs."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
 def grouped_mm_supported(x) -> bool:
-    """torch._grouped_mm runs (and compiles) for bf16 on CUDA in the torch builds that have it."""
-    return hasattr(torch, "_grouped_mm") and x.device.type == "cuda" and x.dtype == torch.bfloat16
+    """Whether SparseMoE takes the grouped-GEMM path for rows like x (expert_path)."""
+    return expert_path(x.device.type, x.dtype, device_capability(x.device), 1, 0) == "grouped"
 
 
 class Block(nn.Module):

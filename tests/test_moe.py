@@ -235,3 +235,33 @@ def test_train_drafter_runs_on_a_moe_target(tmp_path):
     ar = generate(target, None, list(range(5, 25)), method="ar", max_new_tokens=10, stop_ids=[]).tokens
     assert generate(target, drafter, list(range(5, 25)), method="ddtree", budget=6, max_new_tokens=10,
                     stop_ids=[]).tokens == ar
+
+
+def test_expert_path_follows_the_compute_capability(monkeypatch):
+    # torch._grouped_mm's fast path is sm90 / sm100 only; elsewhere it syncs with the host and breaks capture.
+    from model import device_capability, expert_path
+    cuda = torch.device("cuda")
+    for capability, want in (((8, 0), "gathered"), ((8, 9), "gathered"), ((9, 0), "grouped"), ((10, 0), "grouped"),
+                             ((12, 0), "gathered")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        assert expert_path("cuda", torch.bfloat16, device_capability(cuda), 8, 128) == want, capability
+        if want == "gathered":  # many pairs: every expert
+            assert expert_path("cuda", torch.bfloat16, device_capability(cuda), 256, 128) == "all_experts"
+    assert expert_path("cuda", torch.float32, (9, 0), 8, 128) == "gathered"
+    assert expert_path("cpu", torch.bfloat16, device_capability(torch.device("cpu")), 8, 128) == "gathered"
+
+
+def test_pairs_are_combined_in_a_fixed_order_in_float32():
+    # Pair outputs sorted by expert go back to their rows and each row's top-k are summed in float32, k in order:
+    # the bits of a bf16 sum cannot depend on the order atomics arrive in.
+    from model import combine_pairs
+    g = torch.Generator().manual_seed(0)
+    rows, top_k, hidden = 37, 8, 64
+    pair_out = (torch.randn(rows * top_k, hidden, generator=g) * 3).bfloat16()
+    order = torch.randperm(rows * top_k, generator=g)
+    got = combine_pairs(pair_out[order], order, rows, top_k)
+    want = pair_out.view(rows, top_k, hidden).float()
+    total = want[:, 0]
+    for k in range(1, top_k):
+        total = total + want[:, k]
+    assert got.dtype == torch.float32 and torch.equal(got, total)
