@@ -609,14 +609,23 @@ class Engine:
         """Compile a new compiled engine's steps by running each once on a one-token dummy request; returns the
         seconds it took (0 when there is nothing to compile), so that a run's tokens/s counts generation alone;
         building the CPU attention kernel, when this engine did, counts too. The dummy's K/V lie in slots that the
-        real prefill overwrites or that no mask lets a row see."""
+        real prefill overwrites or that no mask lets a row see. Under CUDA graphs each step runs until its graph is
+        recorded (graph_warmup_calls), so that no user's round pays a capture."""
         if self.warm:
             return 0.0
         t0 = time.perf_counter()
-        self.start([[0]], seeds=[0])
-        self.step()
+        for _ in range(graph_warmup_calls(self.compiled, self.device.type)):
+            self.start([[0]], seeds=[0])
+            self.step()
         self.warm = True
         return time.perf_counter() - t0 + self.build_seconds
+
+
+def graph_warmup_calls(compile, device_type: str) -> int:
+    """Calls of each compiled step before its graph runs as it will: CUDA graph trees run a function's first call
+    as a warm-up and record its graph on the second (torch/_inductor/cudagraph_trees.py); plain graphs are built
+    by the first call."""
+    return 2 if compile and device_type == "cuda" else 1
 
 
 @functools.cache

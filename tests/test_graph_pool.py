@@ -48,3 +48,22 @@ def test_budget_auto_switching_through_plain_decoding_reads_no_stale_output(pair
     monkeypatch.setattr(AutoBudget, "choose", forced(SWITCHES))
     assert [r.tokens for r in run()] == plain
     assert pool.poisoned > 0
+
+
+def test_warm_up_runs_each_step_until_cuda_graphs_have_recorded_it(pair, monkeypatch):
+    # CUDA graph trees run a step's first call as a warm-up and record on the second: warm_up calls each step as
+    # often as graph_warmup_calls says, so that no user's round pays the capture.
+    from ddtree import Engine, Speculation, graph_warmup_calls
+    from sampler import Sampling
+    assert [graph_warmup_calls(c, d) for c, d in ((True, "cuda"), ("max-autotune", "cuda"), (True, "cpu"),
+                                                 (False, "cuda"))] == [2, 2, 1, 1]
+    target, drafter = pair
+    monkeypatch.setattr(ddtree, "graph_warmup_calls", lambda compile, device_type: 2)
+    engine = Engine(target, drafter, "ddtree", Sampling(), Speculation(budget=6), 256, compile=False)
+    calls = []
+    for name in ("round", "prefill_step"):
+        step = getattr(engine, name)
+        setattr(engine, name, lambda *args, step=step, name=name: calls.append(name) or step(*args))
+    engine.warm = False  # as a compiled engine starts
+    engine.warm_up()
+    assert calls.count("round") == 2 and calls.count("prefill_step") == 2, calls
