@@ -227,3 +227,31 @@ def test_bad_prompts_file_is_one_clear_error(tmp_path, content, extra, message):
 def test_batch_size_needs_a_prompts_file():
     assert_one_error_line(*cli("--prompt", "x", "--method", "ar", "--batch-size", "2")[::2],
                           "--batch-size goes with --prompts-file")
+
+
+def test_a_long_prompt_in_chunks_is_the_prompt_in_one_pass(pair, monkeypatch):
+    # The prefill chunk follows the device (ddtree.PREFILL_CHUNKS): a 1,000-token prompt in chunks of 128 leaves
+    # the caches and the first token of the same prompt in one 1,024-row pass, and the same tokens after.
+    from ddtree import Engine, Speculation, cache_length
+    from sampler import Sampling
+    target, drafter = pair
+    prompt = torch.randint(2, VOCAB, (1000,), generator=torch.Generator().manual_seed(5)).tolist()
+    spec = Speculation(budget=6)
+    state, tokens = [], []
+    for chunk in (128, 1024):
+        monkeypatch.setattr(ddtree, "PREFILL_CHUNK", chunk)
+        engine = Engine(target, drafter, "ddtree", Sampling(), spec, cache_length(1000, 16, "ddtree", spec, drafter),
+                        compile=False)
+        assert engine.prefill_mask.q_len == chunk
+        first = engine.start([prompt], [0])
+        state.append([c[:, :, :1000].clone() for c in engine.kv_caches()])
+        ddtree._ENGINES.clear()
+        tokens.append((first, generate(target, drafter, prompt, budget=6, max_new_tokens=16, stop_ids=[]).tokens))
+    for chunked, whole in zip(*state):
+        torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+    assert tokens[0] == tokens[1]
+    # a CUDA engine's chunk is the larger one, and its cache holds the prompt in whole chunks of it
+    monkeypatch.undo()
+    assert ddtree.prefill_chunk("cuda") == 512 and ddtree.prefill_chunk("cpu") == 128
+    assert cache_length(600, 16, "ar", Speculation(), None, device_type="cuda") == 2048
+    assert cache_length(600, 16, "ar", Speculation(), None, device_type="cpu") == 1024
