@@ -36,7 +36,7 @@ from budget import AUTO_BUDGETS, AutoBudget
 from draft_tree import accepted_within, ancestor_matrix, build_tree, build_tree_heap, chain_accepted, format_tree
 from drafter import DFlashDrafter
 from model import Qwen3, prepack_linears
-from sampler import Sampling, draw_noise, sample, tempered, verify_chain_sampled, walk_tree, warp_probs
+from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
 from text import Streamer, Text
 from tree_attn import PrefixMask, causal, compact_kv, load_cpu_kernel, round_up
 
@@ -498,10 +498,8 @@ class Engine:
         ok = finite_rows(logits)
         if self.sampling.greedy:
             return logits.argmax(-1), ok
-        probs = warp_probs(logits, self.sampling)
-        tokens = sample(probs, noise)
-        chosen = probs.gather(-1, tokens[..., None]).flatten(1)
-        return tokens, ok & (chosen > 0).all(1) & torch.isfinite(chosen).all(1)
+        tokens, sound = sample_rows(logits, noise, self.sampling)
+        return tokens, ok & sound
 
     # -- randomness: drawn outside the compiled graph from each request's seeded generator ----------------------
 

@@ -167,6 +167,29 @@ def sample(probs: Tensor, noise: Tensor) -> Tensor:
     return (cdf <= threshold).sum(-1)
 
 
+# Rows warped and sampled at a time (sample_rows): about this many logits, so that a verify of B + 1 rows over a
+# large vocabulary never holds its sorts and float64 CDFs for every row at once (513 x 151936 float64 is 0.6 GB).
+ROW_CHUNK_ELEMENTS = 2**23
+
+
+def sample_rows(logits: Tensor, noise: Tensor, s: Sampling):
+    """The target's warped sample at every row of logits [N, R, V] with noise [N, R]: tokens [N, R], and whether
+    every drawn token of request n had a positive, finite probability [N]. Rows are independent, so they go
+    through warp and sample a chunk at a time (ROW_CHUNK_ELEMENTS): the same draws as all rows at once, with the
+    temporaries of one chunk."""
+    n, r, v = logits.shape
+    flat, u = logits.reshape(n * r, v), noise.reshape(n * r)
+    step = max(1, ROW_CHUNK_ELEMENTS // v)
+    tokens, chosen = [], []
+    for i in range(0, n * r, step):
+        probs = warp_probs(flat[i:i + step], s)
+        drawn = sample(probs, u[i:i + step])
+        tokens.append(drawn)
+        chosen.append(probs.gather(-1, drawn[:, None])[:, 0])
+    tokens, chosen = torch.cat(tokens).view(n, r), torch.cat(chosen).view(n, r)
+    return tokens, (chosen > 0).all(1) & torch.isfinite(chosen).all(1)
+
+
 # ------------------------------------------------------------------------------------------- verification
 
 

@@ -697,3 +697,23 @@ def test_sampling_accepts_good_values():
     assert Sampling().greedy and not Sampling(temperature=0.7).greedy
     Sampling(temperature=1, top_k=50, top_p=1, min_p=1)
     Sampling(temperature=0.01, top_k=0, top_p=1e-3, min_p=0)
+
+
+def test_sample_rows_in_chunks_draws_what_all_rows_at_once_draw(monkeypatch):
+    # Rows go through warp and sample a chunk at a time (memory at B = 512 over a real vocabulary); each row's
+    # draw and the per-request soundness must not depend on the chunking.
+    import sampler
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 7, 50, generator=g) * 3
+    logits[1, 4] = float("nan")  # request 1 is unsound
+    noise = torch.rand(3, 7, dtype=torch.float64, generator=g)
+    for s in (Sampling(temperature=1.0), Sampling(temperature=0.7, top_p=0.8), Sampling(temperature=1.3, top_k=5,
+                                                                                      min_p=0.05)):
+        monkeypatch.setattr(sampler, "ROW_CHUNK_ELEMENTS", 2**30)
+        whole = sampler.sample_rows(logits, noise, s)
+        monkeypatch.setattr(sampler, "ROW_CHUNK_ELEMENTS", 50 * 4)  # 4 rows a chunk: chunks straddle requests
+        chunked = sampler.sample_rows(logits, noise, s)
+        ok = [0, 2]
+        assert torch.equal(whole[0][ok], chunked[0][ok]) and torch.equal(whole[1], chunked[1])
+        assert whole[1].tolist() == [True, False, True]
+        assert torch.equal(whole[0][ok], sample(warp_probs(logits[ok], s), noise[ok]))
