@@ -210,7 +210,13 @@ def move_to_smaller(engine: "Engine", engine_for, rows: list, live: set, committ
     keep = [row for row, i in enumerate(rows) if i in live]
     held = engine.take(keep, committed)
     smaller = engine_for(batch_bucket(len(keep), engine.batch))
-    seconds = smaller.warm_up()  # its dummy request may overwrite the caches: `held` holds copies
+    # A new engine's warm-up runs a dummy request in every row, over the first warm_up_slots() slots: those of the
+    # moved requests are kept aside meanwhile (a few hundred slots, not the whole context).
+    window = smaller.warm_up_slots() if not smaller.warm else 0
+    saved = [c[:len(keep), :, :window].clone() for c in smaller.kv_caches()] if window else []
+    seconds = smaller.warm_up()
+    for cache, rows_before in zip(smaller.kv_caches(), saved):
+        cache[:len(keep), :, :window] = rows_before
     smaller.resume(held)
     return smaller, [rows[row] for row in keep], seconds
 
@@ -275,22 +281,22 @@ class Engine:
         self.generators[i] = None
 
     def take(self, rows: list[int], slots: int) -> tuple:
-        """The state of the running requests in `rows`, copied out for an engine with a smaller batch (resume):
-        their caches' first `slots` slots (every request's committed ones: the rest are scratch), next tokens,
-        positions and generators."""
+        """The running requests in `rows`, for an engine with a smaller batch (resume): their caches' first `slots`
+        slots (every request's committed ones: the rest are scratch) move to the caches' first rows, in place,
+        layer by layer (the smaller engine's caches are those rows); returns their next tokens, positions and
+        generators."""
         index = torch.tensor(rows, device=self.device)
-        caches = [c[:, :, :slots].index_select(0, index) for c in self.kv_caches()]
-        return caches, self.token[index], self.position[index], [self.generators[r] for r in rows]
+        for cache in self.kv_caches():
+            cache[:len(rows), :, :slots] = cache[:, :, :slots].index_select(0, index)
+        return self.token[index], self.position[index], [self.generators[r] for r in rows]
 
     def resume(self, held: tuple):
         """Carry on the requests taken from another engine of these settings (take) as rows 0, 1, ...; the rows
         past them are padding, as in start()."""
-        caches, token, position, generators = held
+        token, position, generators = held
         n, pad = len(generators), self.batch - len(generators)
         self.setup_caches()
         self.guards_checked = False
-        for cache, rows in zip(self.kv_caches(), caches):
-            cache[:n, :, :rows.shape[2]].copy_(rows)
         self.token = torch.cat([token, token.new_zeros(pad)])
         self.position = torch.cat([position, position.new_ones(pad)])  # a padding row's one-token dummy prompt
         self.live = torch.tensor([1] * n + [0] * pad, device=self.device)
@@ -606,6 +612,12 @@ class Engine:
         self.token, self.position, self.generators, self.live = other.token, other.position, other.generators, \
             other.live
         self.guards_checked = False
+
+    def warm_up_slots(self) -> int:
+        """The cache slots warm_up's dummy request writes in every row: a prefill chunk, then a round's rows after
+        its one-token prompt (the verified rows, the drafter's block, the committed path)."""
+        rows = 1 if self.drafter is None else max(self.nodes + 1, self.drafter.block_size, self.reach + 1)
+        return min(self.max_seq_len, max(self.prefill_mask.q_len, 1 + rows))
 
     def warm_up(self) -> float:
         """Compile a new compiled engine's steps by running each once on a one-token dummy request; returns the

@@ -100,7 +100,7 @@ def test_batch_shrinks_as_requests_end_and_each_request_stays_its_lone_run(pair,
     target, drafter = pair
     resumed = []  # (the engine's batch, the requests it took over)
     resume = ddtree.Engine.resume
-    monkeypatch.setattr(ddtree.Engine, "resume", lambda self, held: (resumed.append((self.batch, len(held[3]))),
+    monkeypatch.setattr(ddtree.Engine, "resume", lambda self, held: (resumed.append((self.batch, len(held[-1]))),
                                                                     resume(self, held)))
     prompts, seeds = ragged_prompts(7, seed=7), list(range(30, 37))
     run = lambda prompts, seeds: generate_batch(target, drafter, prompts, method=method, max_new_tokens=30,
@@ -255,3 +255,28 @@ def test_a_long_prompt_in_chunks_is_the_prompt_in_one_pass(pair, monkeypatch):
     assert ddtree.prefill_chunk("cuda") == 512 and ddtree.prefill_chunk("cpu") == 128
     assert cache_length(600, 16, "ar", Speculation(), None, device_type="cuda") == 2048
     assert cache_length(600, 16, "ar", Speculation(), None, device_type="cpu") == 1024
+
+
+@pytest.mark.parametrize("method, kw", SHRINKING[:2], ids=[m for m, _ in SHRINKING[:2]])
+def test_a_shrinking_batch_survives_the_smaller_engines_warm_up(pair, monkeypatch, method, kw):
+    # Requests move to the smaller engine's rows in place (Engine.take); a smaller engine that is new warms up
+    # first, with a dummy request in every row: the moved requests' first slots must come back intact.
+    target, drafter = pair
+    init = ddtree.Engine.__init__
+    warmed = []
+
+    def cold(engine, *args, **kwargs):  # every engine starts as a compiled one does: needing its warm-up
+        init(engine, *args, **kwargs)
+        engine.warm = False
+        warm_up = engine.warm_up
+        engine.warm_up = lambda: (warmed.append(engine.batch), warm_up())[1]
+
+    prompts, seeds = ragged_prompts(7, seed=7), list(range(30, 37))
+    run = lambda prompts, seeds: generate_batch(target, drafter, prompts, method=method, max_new_tokens=30,
+                                                seeds=seeds, stop_ids=[STOP], max_batch=8, **kw)
+    lone = [run([p], [s])[0] for p, s in zip(prompts, seeds)]
+    ddtree._ENGINES.clear()
+    monkeypatch.setattr(ddtree.Engine, "__init__", cold)
+    together = run(prompts, seeds)
+    assert [r.tokens for r in together] == [r.tokens for r in lone]
+    assert len(warmed) > 1, warmed  # smaller engines were warmed up mid-run
