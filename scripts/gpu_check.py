@@ -1,24 +1,33 @@
-"""One-call GPU check, sized for a 10-minute device run (not yet run on a GPU): Qwen3-8B-shaped target and
-8B-shaped DFlash drafter with random weights in bf16, built directly on the device (no 16 GB checkpoint to write).
+"""One-call GPU check, sized for a 9-minute device run on an H200; every section guarded, so one call answers
+everything it reaches whatever fails inside it.
 
-    python scripts/gpu_check.py --json out/gpu_check.json          # on the GPU machine
-    python scripts/gpu_check.py --small --device cpu                # a smoke test of the script itself
+    python scripts/gpu_check.py --json out/gpu_check.json                 # on the GPU machine
+    python scripts/gpu_check.py --device cpu --small --eager --json PATH   # the script itself, on a CPU (a test)
 
-Prints and writes, most important first: the measured device copy bandwidth and the AR step's bandwidth floor
-(weight bytes / bandwidth) beside the measured AR step (eager, compiled, CUDA graphs); the round split at the
-paper's budget (draft, tree, mask, verify, walk, compact, context: benchlib.round_split), the whole compiled
-round, and tree + mask + walk compiled with and without CUDA graphs; generate() end to end as users run it
-(compiled, CUDA graphs on the GPU: AR and DDTree, each twice); the other budgets; generate_batch at B = 64 and 512
-with batches of 1, 4 and 16; budget auto's calibration curve (seconds per round of AR, the chain and each tree) and
-one auto run; tree build alone at the paper's size; then a Qwen3-30B-A3B-shaped MoE target (48
-layers, 128 experts, top 8): the grouped-GEMM expert path checked against the all-experts one, its AR step beside
-the floor of the weights a token reads, and its verify forward per budget. Every section compiles 8B-shaped graphs afresh, so the first compiled AR step's time is taken
-as the cost of one graph, and a section starts only if its graphs fit before --deadline (else it is listed as
-skipped). The JSON is rewritten after each section: a device run cut short still brings back what it measured.
+Parts, in this order (--parts picks some):
+- flex: compiled FlexAttention under the engine's masks against SDPA with the mask written out, per query length
+  and GQA ratio, with the engine's kernel options and, at some lengths, inductor's defaults;
+- pair: the bundled tiny pair in float32, per mode (eager, compiled without CUDA graphs, as users run it): ar,
+  dflash and ddtree at --pair-budgets, budget auto forced through every candidate and a batch that shrinks as its
+  requests stop, every token against eager AR; the cudaGraphLaunch calls of a profiled run (proof that graphs
+  replay, which no count of refused graphs gives);
+- 8b: a Qwen3-8B-shaped target and drafter with random weights in bf16, built on the device: copy bandwidth and
+  the AR step beside its floor (eager, compiled, CUDA graphs); the round split per budget (benchlib.round_split:
+  random weights accept nothing, so round latencies, not tau); generate() end to end; one sampled round at B = 512
+  at batches 1 and 16 (time, peak memory); prefills of long prompts; generate_batch; budget auto's calibration;
+  the round with and without layers compiled once; tree building alone;
+- moe: a Qwen3-30B-A3B-shaped target (built after the dense pair is freed): the expert paths against each other,
+  the AR step beside its active weights' floor, the verify forward per budget.
+
+Each section records its status (ok, error with the traceback, skipped with why), seconds, peak device memory and
+recompiles; the JSON (with torch, triton, CUDA, driver and device versions) is rewritten after every section, so a
+run cut short still brings back what it measured. A section starts only if its graphs, at the measured seconds per
+graph (the first compiled AR step's), end before --deadline.
 """
 
 import argparse
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -34,7 +43,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from benchlib import (batched_run, round_header, round_row, round_split, sync, timed, tree_alone,  # noqa: E402
                       verify_ms, write_json)
 import ddtree  # noqa: E402
-from ddtree import Engine, Speculation, cache_length, generate  # noqa: E402
+import model  # noqa: E402
+from budget import AutoBudget  # noqa: E402
+from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from model import Qwen3, Qwen3Config, SparseMoE, grouped_mm_supported, rope_inv_freq  # noqa: E402
 from sampler import Sampling  # noqa: E402
@@ -92,37 +103,6 @@ def build_moe_target(shape, device, dtype):
     return target, active
 
 
-def moe_section(a, device, dtype, bandwidth, out, section, t0):
-    """The 30B-A3B-shaped target: the AR step beside the floor of its active weights' bytes, and the verify
-    forward per budget, whose growth with B (more experts touched) decides the best budget on MoE targets."""
-    target, active = build_moe_target(SMALL_MOE if a.small else QWEN3_30B_A3B, device, dtype)
-    floor_ms = active / bandwidth * 1e3
-    moe = out["moe"] = dict(active_weight_gb=active / 1e9, ar_floor_ms=floor_ms, verify_ms={})
-    print(f"MoE target ({'small' if a.small else '30B-A3B-shaped'}): active weights {active / 1e9:.2f} GB per "
-          f"token -> AR floor {floor_ms:.2f} ms", flush=True)
-    mlp = next(layer.mlp for layer in target.layers if isinstance(layer.mlp, SparseMoE))
-    x = torch.randn(64, target.config.hidden_size, device=device, dtype=dtype)
-    ids, weights = mlp.route(x)
-    paths = {"all_experts": mlp.all_experts(x, ids, weights), "gathered": mlp.gathered(x, ids, weights)}
-    if grouped_mm_supported(x):
-        paths["grouped"] = mlp.grouped(x, ids, weights)
-    ref = paths["all_experts"].float()
-    moe["expert_paths_max_diff"] = {k: float((v.float() - ref).abs().max()) for k, v in paths.items()}
-    print(f"MoE expert paths, max |difference| from all experts over 64 rows: {moe['expert_paths_max_diff']} "
-          f"(output scale {float(ref.abs().max()):.3g})", flush=True)
-    mode = "cudagraphs" if device.type == "cuda" else "compiled"
-    if section("MoE AR step", graphs=1):
-        ms, first_s = ar_steps(target, device, mode)
-        moe["ar_ms"], moe["ar_first_call_s"] = ms, first_s
-        print(f"MoE AR step {mode}: {ms:7.2f} ms ({ms / floor_ms:.2f}x the active floor); first call "
-              f"{first_s:.1f} s  [{time.time() - t0:.0f} s]", flush=True)
-    for budget in a.moe_budgets:
-        if section(f"MoE verify B={budget}", graphs=1):
-            moe["verify_ms"][budget] = ms = verify_ms(target, budget, True, a.repeats, prompt_len=512)
-            print(f"MoE verify B={budget:4d}: {ms:8.2f} ms ({ms / moe.get('ar_ms', ms):.1f}x the AR step)  "
-                  f"[{time.time() - t0:.0f} s]", flush=True)
-
-
 def versions(device):
     """What the run ran on: torch, triton, CUDA, the driver, the device and its compute capability."""
     v = dict(torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0])
@@ -164,7 +144,7 @@ def guarded(out, name, device):
             rec["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
 
 
-def flex_check(device, dtype, out):
+def flex_check(device, dtype, out, compile=True):
     """Compiled FlexAttention under a PrefixMask against SDPA with the mask written out, per query length and GQA
     ratio: the lengths the engine runs (decode, draft block, B + 1, prefill chunk), with the engine's kernel
     options and, at some lengths, inductor's defaults. The `write` cases do as the engine's layers do: float32,
@@ -181,14 +161,14 @@ def flex_check(device, dtype, out):
         try:
             res[key] = dict(status="ok", options=options,
                             max_diff=flex_case(device, torch.float32 if write else dtype, g, q_len, kv_len, dim,
-                                               options, write))
+                                               options, write, compile))
         except Exception:  # noqa: BLE001
             res[key] = dict(status="error", options=options, error=traceback.format_exc()[-1500:])
         print(f"FlexAttention {key}: {res[key].get('status')} max|diff| {res[key].get('max_diff')} "
               f"options {res[key].get('options')} {res[key].get('error', '')[-300:]}", flush=True)
 
 
-def flex_case(device, dtype, g, q_len, kv_len, dim, options, write):
+def flex_case(device, dtype, g, q_len, kv_len, dim, options, write, compile=True):
     """The largest |difference| from SDPA over three prefixes (none, one full block, the cache's end) of random
     trees."""
     heads, kv_heads = 4 * g, 4
@@ -201,7 +181,8 @@ def flex_case(device, dtype, g, q_len, kv_len, dim, options, write):
             v.index_copy_(2, slots, v_new)
         return flex(q, k, v, block_mask=mask.block_mask, enable_gqa=True, kernel_options=options)
 
-    attend = torch.compile(attend, dynamic=False, fullgraph=True)
+    if compile:
+        attend = torch.compile(attend, dynamic=False, fullgraph=True)
     worst = 0.0
     for prefix in (0, 130, kv_len - q_len - 1):
         gen = torch.Generator().manual_seed(q_len + prefix)
@@ -230,45 +211,143 @@ def flex_case(device, dtype, g, q_len, kv_len, dim, options, write):
     return worst
 
 
-def bundled_pair_check(device, out, budgets, modes, save):
-    """The bundled tiny pair in float32 on this device: dflash and ddtree at each budget, eager, compiled without
-    CUDA graphs and compiled as users run it (CUDA graphs on the GPU), every token against eager AR (trained
-    weights: greedy ties are rare, so the tokens must match), run twice; where they differ, the first differing
-    position says which mode breaks."""
-    target = Qwen3.from_pretrained(os.path.join(ROOT, "assets", "tiny-target"), device=device, dtype=torch.float32)
-    drafter = DFlashDrafter.from_pretrained(os.path.join(ROOT, "assets", "tiny-draft"), device=device,
+# ---------------------------------------------------------------------------------------------------- the run
+
+
+class Check:
+    """The run's settings, its JSON, the deadline and the guarded sections."""
+
+    def __init__(self, a):
+        self.a, self.device = a, torch.device(a.device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.compile = not a.eager
+        self.out = {"device": torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
+                    "small": a.small, "eager": a.eager, "skipped": [], "sections": {}}
+        self.t0, self.per_graph = time.time(), 0.0
+
+    def save(self):
+        self.out["seconds"] = time.time() - self.t0
+        if self.a.json:
+            write_json(self.a.json, self.out)
+
+    def fits(self, name, graphs):
+        """Whether a section compiling `graphs` model graphs ends before the deadline (else it is noted)."""
+        self.save()
+        if time.time() - self.t0 + graphs * self.per_graph <= self.a.deadline:
+            return True
+        self.out["skipped"].append(name)
+        self.out["sections"][name] = dict(status="skipped", why=f"{graphs} graphs at {self.per_graph:.0f} s each "
+                                                               f"would end past {self.a.deadline:.0f} s")
+        print(f"skipped: {name} ({self.out['sections'][name]['why']})", flush=True)
+        return False
+
+    def run(self, name, fn, graphs=0):
+        """fn() as one guarded section, if its graphs fit before the deadline."""
+        if self.fits(name, graphs if self.compile else 0):
+            with guarded(self.out, name, self.device):
+                fn()
+            self.save()
+
+    def say(self, text):
+        print(f"{text}  [{time.time() - self.t0:.0f} s]", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ bundled pair
+
+
+def bundled_pair_check(c: Check):
+    """The bundled tiny pair in float32 on this device, per mode: ar, dflash and ddtree at each budget, budget auto
+    forced through every candidate, a batch that shrinks as its requests stop; every token against eager AR
+    (trained weights: greedy ties are rare, so the tokens must match), each run twice. Where tokens differ, the
+    first differing position says which mode breaks."""
+    target = Qwen3.from_pretrained(os.path.join(ROOT, "assets", "tiny-target"), device=c.device, dtype=torch.float32)
+    drafter = DFlashDrafter.from_pretrained(os.path.join(ROOT, "assets", "tiny-draft"), device=c.device,
                                             dtype=torch.float32).bind(target)
     prompt = list(range(5, 45))
     ref = generate(target, None, prompt, method="ar", max_new_tokens=96, stop_ids=[]).tokens
-    res = out["bundled_pair"] = {}
+    res = c.out["bundled_pair"] = {}
     plain_compile = torch.compile
-    for mode in modes:
+    for mode in c.a.pair_modes:
         ddtree._ENGINES.clear()
         torch._dynamo.reset()
         if mode == "compiled-no-graphs":  # the engine's compiles without CUDA graphs
             torch.compile = lambda fn, **kw: plain_compile(fn, **dict(kw, mode=None))
+        compile = mode != "eager"
         try:
-            for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]:
+            for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in c.a.pair_budgets]:
                 if mode == "eager" and method == "ar":
                     continue
                 key = f"{mode}/{method}" + ("" if budget is None else f"-B{budget}")
-                t = time.time()
-                try:
-                    runs = [generate(target, drafter if method != "ar" else None, prompt, method=method,
-                                     budget=budget, max_new_tokens=96, compile=mode != "eager", stop_ids=[])
-                            for _ in range(2)]
-                    first_diff = next((i for i, (x, y) in enumerate(zip(runs[1].tokens, ref)) if x != y), None)
-                    res[key] = dict(status="ok", equal_to_eager_ar=runs[1].tokens == ref, first_diff=first_diff,
-                                    repeat_equal=runs[0].tokens == runs[1].tokens, tau=runs[1].stats["tau"],
-                                    tokens_per_s=runs[1].stats["tokens_per_s"], seconds=time.time() - t)
-                except Exception:  # noqa: BLE001
-                    res[key] = dict(status="error", error=traceback.format_exc()[-3000:], seconds=time.time() - t)
-                save()
-                print(f"bundled pair {key}: { {k: v for k, v in res[key].items() if k != 'error'} } "
-                      f"{res[key].get('error', '')[-400:]}", flush=True)
+                run = lambda n=96: generate(target, drafter if method != "ar" else None, prompt, method=method,
+                                            budget=budget, max_new_tokens=n, compile=compile, stop_ids=[])
+                pair_case(c, res, key, lambda: pair_run(run, ref, c.device if mode == "cudagraphs" else None))
+            pair_case(c, res, f"{mode}/auto-forced", lambda: pair_auto(target, drafter, prompt, ref, compile))
+            pair_case(c, res, f"{mode}/batch-shrinking", lambda: pair_batch(target, drafter, compile))
         finally:
             torch.compile = plain_compile
     ddtree._ENGINES.clear()
+
+
+def pair_case(c, res, key, fn):
+    t = time.time()
+    try:
+        res[key] = dict(status="ok", **fn())
+    except Exception:  # noqa: BLE001 (a case's failure is a finding; the next case runs)
+        res[key] = dict(status="error", error=traceback.format_exc()[-3000:])
+    res[key]["seconds"] = time.time() - t
+    c.save()
+    c.say(f"bundled pair {key}: { {k: v for k, v in res[key].items() if k != 'error'} } "
+          f"{res[key].get('error', '')[-400:]}")
+
+
+def pair_run(run, ref, graphs_device):
+    """Two runs against eager AR; under CUDA graphs, a third one profiled for its graph launches."""
+    runs = [run() for _ in range(2)]
+    first_diff = next((i for i, (x, y) in enumerate(zip(runs[1].tokens, ref)) if x != y), None)
+    out = dict(equal_to_eager_ar=runs[1].tokens == ref, first_diff=first_diff,
+               repeat_equal=runs[0].tokens == runs[1].tokens, tau=runs[1].stats["tau"],
+               tokens_per_s=runs[1].stats["tokens_per_s"])
+    if graphs_device is not None:
+        launches, profiled = graph_launches(lambda: run(32), graphs_device)
+        out.update(graph_launches=launches, profiled_rounds=profiled.stats["rounds"],
+                   graphs_replay=launches >= profiled.stats["rounds"])
+    return out
+
+
+def graph_launches(fn, device):
+    """(cudaGraphLaunch calls while fn() runs, fn's result), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        sync(device)
+    return sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch"), result
+
+
+def pair_auto(target, drafter, prompt, ref, compile):
+    """budget auto (trees of 4 and 16) with its choice forced through a cycle of every candidate."""
+    cycle = itertools.cycle(["ar", "chain", 16, 4, "ar", 16, "chain", "ar"])
+    choose, budgets = AutoBudget.choose, ddtree.AUTO_BUDGETS
+    AutoBudget.choose, ddtree.AUTO_BUDGETS = (lambda self: (next(cycle), False)), (4, 16)
+    try:
+        r = generate(target, drafter, prompt, budget="auto", max_new_tokens=96, compile=compile, stop_ids=[])
+    finally:
+        AutoBudget.choose, ddtree.AUTO_BUDGETS = choose, budgets
+    return dict(equal_to_eager_ar=r.tokens == ref, schedule=sorted(set(r.stats["auto"]["schedule"])))
+
+
+def pair_batch(target, drafter, compile):
+    """Four requests in one batch (ddtree, B = 16) that stop at different rounds, so the batch shrinks: each
+    request's tokens against its own eager AR run."""
+    prompts = [list(range(5 + 7 * i, 45 + 3 * i)) for i in range(4)]
+    free = generate(target, None, prompts[0], method="ar", max_new_tokens=48, stop_ids=[]).tokens
+    stop = [free[12]]  # a token request 0 emits: some requests stop early, at different rounds
+    refs = [generate(target, None, p, method="ar", max_new_tokens=48, stop_ids=stop).tokens for p in prompts]
+    batch = generate_batch(target, drafter, prompts, budget=16, max_new_tokens=48, stop_ids=stop, compile=compile,
+                           max_batch=4)
+    return dict(equal_to_eager_ar=[r.tokens for r in batch] == refs, lengths=[len(t) for t in refs])
+
+
+# -------------------------------------------------------------------------------------------------- 8B-shaped
 
 
 def copy_bandwidth(device, gib=1.0):
@@ -281,7 +360,8 @@ def copy_bandwidth(device, gib=1.0):
 
 
 def ar_steps(target, device, compile_mode, repeats=20):
-    """Milliseconds per AR decode step at ~context 512 (eager, compiled, or compiled + CUDA graphs)."""
+    """Milliseconds per AR decode step at ~context 512 (eager, compiled, or compiled + CUDA graphs), and the first
+    call's seconds (its compile)."""
     spec = Speculation()
     engine = Engine(target, None, "ar", Sampling(), spec, cache_length(512, 64, "ar", spec, None),
                     compile=compile_mode is not None)  # its masks are those of an engine run this way
@@ -300,211 +380,247 @@ def ar_steps(target, device, compile_mode, repeats=20):
     return ms, first_s
 
 
-def end_to_end(target, drafter, budget, new_tokens=64, prompt_len=128):
-    """generate() compiled, as the CLI runs it (CUDA graphs on the GPU, the next token fed back every round), AR and
-    DDTree, twice each: the replays must repeat themselves exactly. Random weights have near-tied argmaxes, so
-    DDTree's tokens are set beside AR's for information only (bf16 rounding differs between 1 and B + 1 rows)."""
-    prompt = torch.randint(0, 1000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    out = {}
-    for method in ("ar", "ddtree"):
-        runs = [generate(target, drafter, prompt, method=method, budget=budget if method == "ddtree" else None,
-                         max_new_tokens=new_tokens, compile=True, stop_ids=[]) for _ in range(2)]
-        out[method] = dict(repeatable=runs[0].tokens == runs[1].tokens, tokens=runs[1].tokens,
-                           tokens_per_s=runs[1].stats["tokens_per_s"], tau=runs[1].stats["tau"])
-    ar, tree = out["ar"]["tokens"], out["ddtree"]["tokens"]
-    out["agree_prefix"] = next((i for i, (x, y) in enumerate(zip(ar, tree)) if x != y), min(len(ar), len(tree)))
-    return out
+def dense_sections(c: Check):
+    a, out = c.a, c.out
+    target, drafter = build(SMALL if a.small else QWEN3_8B, c.device, c.dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    bandwidth = copy_bandwidth(c.device, 0.25 if a.small else 2.0)
+    floor_ms = weight_bytes / bandwidth * 1e3
+    out.update(weight_gb=weight_bytes / 1e9, copy_bandwidth_gbs=bandwidth / 1e9, ar_floor_ms=floor_ms)
+    c.say(f"{out['device']}: target weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e9:.0f} GB/s "
+          f"-> AR floor {floor_ms:.2f} ms/token")
 
+    def ar_mode(mode):
+        ms, first_s = ar_steps(target, c.device, None if mode == "eager" else mode)
+        if mode == "compiled":
+            c.per_graph = out["compile_s_per_graph"] = first_s
+        out[f"ar_{mode}_ms"] = ms
+        c.say(f"AR step {mode:10s}: {ms:7.2f} ms ({ms / floor_ms:.2f}x the floor); first call {first_s:.1f} s")
 
-def batched_section(a, target, drafter, out, section, t0):
-    """generate_batch compiled, greedy DDTree: tokens/s of 16 requests (prompt 128, 64 new tokens) run --batches at
-    a time, per budget; each batch size is 2 new graphs (prefill and round), and so is each smaller power of two
-    that a batch moves to as its requests end."""
-    prompts = [torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(16)]
-    out["batched"] = {}
+    modes = ["eager"] + (["compiled"] + (["cudagraphs"] if c.device.type == "cuda" else []) if c.compile else [])
+    for mode in modes:
+        c.run(f"AR step {mode}", lambda: ar_mode(mode), graphs=0 if mode == "eager" else 1)
+    out["rounds"] = {}
+    cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context"] + (["round", "tree_work"] + (
+        ["tree_work_nograph"] if c.device.type == "cuda" else []) if c.compile else [])
+    print(round_header(cols, compiled=c.compile, width=9) + "  (ms; benchlib.round_split)", flush=True)
+
+    def one_round(budget, key=None):
+        ms = round_split(target, drafter, budget, compile=c.compile, repeats=a.repeats, prompt_len=512)
+        out["rounds"][key or budget] = ms
+        c.say(round_row(budget, ms, cols, width=9))
+
+    c.run(f"round B={a.budgets[0]}", lambda: one_round(a.budgets[0]), graphs=5)
+    c.run("end to end", lambda: end_to_end(c, target, drafter), graphs=3)
+    c.run("sampled B=512", lambda: sampled_rounds(c, target, drafter), graphs=2 * len(a.sampled_batches))
+    for budget in a.budgets[1:]:
+        c.run(f"round B={budget}", lambda: one_round(budget), graphs=3)
+    c.run("long prefill", lambda: long_prefill(c, target), graphs=len(a.prefill_lengths))
     for budget in a.batch_budgets:
-        compiled = set()  # batch sizes with graphs at this budget (at most: a batch may not shrink)
         for batch in a.batches:
-            sizes = {1 << k for k in range(batch.bit_length())} | {batch}  # itself and each power of two below
-            if not section(f"batched B={budget} batch {batch}", graphs=2 * len(sizes - compiled)):
-                continue
-            compiled |= sizes
-            tps = batched_run(target, drafter, prompts, "ddtree", budget, 64, True, batch, passes=1)
-            out["batched"][f"B{budget}-batch{batch}"] = tps
-            print(f"generate_batch ddtree B={budget:4d} batch {batch:3d}: {tps:9.1f} tok/s over 16 requests"
-                  f"  [{time.time() - t0:.0f} s]", flush=True)
+            c.run(f"batched B={budget} batch {batch}", lambda: batched(c, target, drafter, budget, batch),
+                  graphs=2 * batch.bit_length())
+    c.run("budget auto", lambda: auto_calibration(c, target, drafter), graphs=len(ddtree.AUTO_BUDGETS) + 3)
+    c.run("layers compiled once A/B", lambda: layers_once_ab(c, one_round), graphs=10)
+    if c.compile:  # the tensor builder compiled beside the heap
+        c.run("tree alone", lambda: tree_build(c, target), graphs=1)
+    return bandwidth
 
 
-def auto_section(a, target, drafter, out, section, t0):
-    """budget auto on this device (compiled, batch 1, greedy): its calibration (seconds per round of each candidate,
-    and the rate each would reach accepting every draft, which decides whether it is viable), then one
-    generate(budget="auto") (random weights accept little, so auto should settle on plain decoding)."""
+def end_to_end(c, target, drafter, new_tokens=64, prompt_len=128):
+    """generate() as the CLI runs it (compiled: CUDA graphs on the GPU), AR and DDTree, twice each: the replays must
+    repeat themselves exactly. Random weights have near-tied argmaxes, so DDTree's tokens are set beside AR's for
+    information only (bf16 rounding differs between 1 and B + 1 rows)."""
+    prompt = torch.randint(0, 1000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    res = c.out["end_to_end"] = {}
+    tokens = {}
+    for method in ("ar", "ddtree"):
+        runs = [generate(target, drafter, prompt, method=method, budget=c.a.e2e_budget if method == "ddtree" else None,
+                         max_new_tokens=new_tokens, compile=c.compile, stop_ids=[]) for _ in range(2)]
+        tokens[method] = runs[1].tokens
+        res[method] = dict(repeatable=runs[0].tokens == runs[1].tokens, tokens_per_s=runs[1].stats["tokens_per_s"],
+                           tau=runs[1].stats["tau"], compile_seconds=runs[0].stats.get("compile_seconds"))
+        c.say(f"generate {method:6s}: {res[method]['tokens_per_s']:8.1f} tok/s, tau {res[method]['tau']:.2f}, two "
+              f"runs identical: {res[method]['repeatable']}")
+    ar, tree = tokens["ar"], tokens["ddtree"]
+    res["agree_prefix"] = next((i for i, (x, y) in enumerate(zip(ar, tree)) if x != y), min(len(ar), len(tree)))
+
+
+def sampled_rounds(c, target, drafter):
+    """Sampled DDTree at B = 512 (temperature 1, top-p 0.95) at each of --sampled-batches: the seconds of 8 new
+    tokens (the first run compiles) and the peak device memory of the second run."""
+    res = c.out["sampled_b512"] = {}
+    for n in c.a.sampled_batches:
+        prompts = [torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(i)).tolist()
+                   for i in range(n)]
+        run = lambda: generate_batch(target, drafter, prompts, budget=512, max_new_tokens=8, temperature=1.0,
+                                     top_p=0.95, seeds=list(range(n)), compile=c.compile, stop_ids=[], max_batch=n)
+        t = time.time()
+        run()
+        first = time.time() - t
+        if c.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        results = run()
+        res[n] = dict(first_run_seconds=first, seconds=results[0].stats["seconds"],
+                      rounds=results[0].stats["rounds"],
+                      peak_gb=torch.cuda.max_memory_allocated() / 1e9 if c.device.type == "cuda" else None)
+        c.say(f"sampled B=512 batch {n:2d}: {res[n]}")
+
+
+def long_prefill(c, target):
+    """Seconds of one prefill (plain decoding's engine, compiled prefill chunks on CUDA) of each --prefill-lengths
+    prompt, the second of two runs."""
+    res = c.out["prefill_seconds"] = {}
+    for n in c.a.prefill_lengths:
+        spec = Speculation()
+        engine = Engine(target, None, "ar", Sampling(), spec,
+                        cache_length(n, 16, "ar", spec, None, device_type=c.device.type), compile=c.compile)
+        prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        engine.start([prompt], [0])
+        sync(c.device)
+        t = time.time()
+        engine.start([prompt], [0])
+        sync(c.device)
+        res[n] = time.time() - t
+        c.say(f"prefill of {n} tokens: {res[n] * 1e3:.1f} ms ({n / res[n]:.0f} tokens/s)")
+
+
+def batched(c, target, drafter, budget, batch):
+    """generate_batch, greedy DDTree: tokens/s of 16 requests (prompt 128, 64 new tokens) `batch` at a time."""
+    prompts = [torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(16)]
+    tps = batched_run(target, drafter, prompts, "ddtree", budget, 64, c.compile, batch, passes=1)
+    c.out.setdefault("batched", {})[f"B{budget}-batch{batch}"] = tps
+    c.say(f"generate_batch ddtree B={budget:4d} batch {batch:3d}: {tps:9.1f} tok/s over 16 requests")
+
+
+def auto_calibration(c, target, drafter):
+    """budget auto on this device (batch 1, greedy): its calibration curve, then one generate(budget="auto")
+    (random weights accept little, so auto should settle on plain decoding)."""
     budgets = ddtree.auto_budgets(128, 64, target)
-    if not section("budget auto", graphs=len(budgets) + 3):  # a round per candidate and a prefill
-        return
-    spec = ddtree.Speculation(budget="auto")
-    length = ddtree.cache_length(128, 64, "ddtree", spec, drafter, budgets)
-    engine = ddtree.auto_engine(target, drafter, ddtree.Sampling(), spec, length, True, False, 1, budgets)
+    spec = Speculation(budget="auto")
+    length = cache_length(128, 64, "ddtree", spec, drafter, budgets)
+    engine = ddtree.auto_engine(target, drafter, Sampling(), spec, length, c.compile, False, 1, budgets)
     warm_up = engine.warm_up(recalibrate=True)
-    print(f"budget auto calibration ({engine.calibrate_seconds:.0f} s, {warm_up:.0f} s with compiling):\n"
-          f"{engine.curve_table()}", flush=True)
+    c.say(f"budget auto calibration ({engine.calibrate_seconds:.0f} s, {warm_up:.0f} s with compiling):\n"
+          f"{engine.curve_table()}")
     prompt = torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    res = generate(target, drafter, prompt, budget="auto", max_new_tokens=64, compile=True, stop_ids=[])
+    res = generate(target, drafter, prompt, budget="auto", max_new_tokens=64, compile=c.compile, stop_ids=[])
     report = res.stats["auto"]
-    out["auto"] = dict(curve=engine.curve(), calibrate_seconds=engine.calibrate_seconds, warm_up_seconds=warm_up,
-                       tokens_per_s=res.stats["tokens_per_s"], tau=res.stats["tau"], choice=report["choice"],
-                       rounds_per_candidate=report["rounds_per_candidate"],
-                       probe_overhead_seconds=report["probe_overhead_seconds"])
-    print(f"generate budget=auto: {res.stats['tokens_per_s']:.1f} tok/s, tau {res.stats['tau']:.2f}, best "
-          f"{report['choice']}, rounds {report['rounds_per_candidate']}  [{time.time() - t0:.0f} s]", flush=True)
+    c.out["auto"] = dict(curve=engine.curve(), calibrate_seconds=engine.calibrate_seconds, warm_up_seconds=warm_up,
+                         tokens_per_s=res.stats["tokens_per_s"], tau=res.stats["tau"], choice=report["choice"],
+                         rounds_per_candidate=report["rounds_per_candidate"])
+    c.say(f"generate budget=auto: {res.stats['tokens_per_s']:.1f} tok/s, best {report['choice']}")
 
 
-def run_round(a, budget, target, drafter, out, section, t0, graphs, cols):
-    """One budget's round split (benchlib.round_split), as a table row."""
-    if not section(f"round B={budget}", graphs):
-        return
-    ms = round_split(target, drafter, budget, compile=True, repeats=a.repeats, prompt_len=512)
-    out["rounds"][budget] = ms
-    print(round_row(budget, ms, cols, width=9) + f"  [{time.time() - t0:.0f} s]", flush=True)
+def layers_once_ab(c, one_round):
+    """The round split at --e2e-budget with the target's layers compiled once (model.COMPILE_LAYERS_ONCE, as the
+    engine runs) and each layer inlined into the round's graph."""
+    for once in (False, True):
+        model.COMPILE_LAYERS_ONCE = once
+        torch._dynamo.reset()
+        try:
+            one_round(c.a.e2e_budget, key=f"{c.a.e2e_budget}-layers-once-{once}")
+        finally:
+            model.COMPILE_LAYERS_ONCE = True
+
+
+def tree_build(c, target):
+    t = tree_alone(target.config.vocab_size, 15, 512, c.device, c.a.repeats)
+    c.out["tree_alone"] = t
+    c.say(f"tree build alone (V={target.config.vocab_size}, depth 15, B=512): heap {t['heap_ms']:.2f} ms, tensor "
+          f"eager {t['tensor_eager_ms']:.2f} ms, compiled {t['tensor_compiled_ms']:.2f} ms, identical: {t['equal']}")
+
+
+# ---------------------------------------------------------------------------------------------------------- MoE
+
+
+def moe_sections(c: Check, bandwidth):
+    """The 30B-A3B-shaped target: the expert paths against each other, the AR step beside the floor of its active
+    weights' bytes, and the verify forward per budget, whose growth with B (more experts touched) decides the best
+    budget on MoE targets."""
+    target, active = build_moe_target(SMALL_MOE if c.a.small else QWEN3_30B_A3B, c.device, c.dtype)
+    floor_ms = active / bandwidth * 1e3
+    moe = c.out["moe"] = dict(active_weight_gb=active / 1e9, ar_floor_ms=floor_ms, verify_ms={})
+    c.say(f"MoE target ({'small' if c.a.small else '30B-A3B-shaped'}): active weights {active / 1e9:.2f} GB per "
+          f"token -> AR floor {floor_ms:.2f} ms")
+
+    def paths():
+        mlp = next(layer.mlp for layer in target.layers if isinstance(layer.mlp, SparseMoE))
+        x = torch.randn(64, target.config.hidden_size, device=c.device, dtype=c.dtype)
+        ids, weights = mlp.route(x)
+        outs = {"all_experts": mlp.all_experts(x, ids, weights), "gathered": mlp.gathered(x, ids, weights)}
+        if grouped_mm_supported(x):
+            outs["grouped"] = mlp.grouped(x, ids, weights)
+            outs["grouped_again_bitwise_equal"] = torch.equal(outs["grouped"], mlp.grouped(x, ids, weights))
+        ref = outs["all_experts"].float()
+        moe["expert_paths_max_diff"] = {k: v if isinstance(v, bool) else float((v.float() - ref).abs().max())
+                                        for k, v in outs.items()}
+        c.say(f"MoE expert paths, max |difference| from all experts over 64 rows: {moe['expert_paths_max_diff']} "
+              f"(output scale {float(ref.abs().max()):.3g})")
+
+    def ar():
+        mode = "cudagraphs" if c.device.type == "cuda" else "compiled"
+        ms, first_s = ar_steps(target, c.device, mode if c.compile else None)
+        moe["ar_ms"], moe["ar_first_call_s"] = ms, first_s
+        c.say(f"MoE AR step: {ms:7.2f} ms ({ms / floor_ms:.2f}x the active floor); first call {first_s:.1f} s")
+
+    def verify(budget):
+        moe["verify_ms"][budget] = ms = verify_ms(target, budget, c.compile, c.a.repeats, prompt_len=512)
+        c.say(f"MoE verify B={budget:4d}: {ms:8.2f} ms ({ms / moe.get('ar_ms', ms):.1f}x the AR step)")
+
+    c.run("MoE expert paths", paths)
+    c.run("MoE AR step", ar, graphs=1)
+    for budget in c.a.moe_budgets:
+        c.run(f"MoE verify B={budget}", lambda: verify(budget), graphs=1)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--small", action="store_true", help="a small model (to smoke-test the script on a CPU)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[512, 64, 1024, 256, 16])  # the paper's first
-    p.add_argument("--e2e-budget", type=int, default=64)
-    p.add_argument("--pair-budgets", type=int, nargs="*", default=[4, 16, 64],
-                   help="ddtree budgets of the bundled pair's float32 check (compiled vs eager AR)")
-    p.add_argument("--moe-budgets", type=int, nargs="*", default=[16, 64, 256, 512],
-                   help="verify budgets on the 30B-A3B-shaped MoE target (none: skip the MoE section)")
-    p.add_argument("--pair-modes", nargs="+", default=["cudagraphs"],
+    p.add_argument("--small", action="store_true", help="small models (to run the script itself on a CPU)")
+    p.add_argument("--eager", action="store_true", help="nothing compiled (the script's own smoke test)")
+    p.add_argument("--parts", nargs="+", default=["flex", "pair", "8b", "moe"], choices=["flex", "pair", "8b", "moe"])
+    p.add_argument("--pair-modes", nargs="+", default=["cudagraphs", "compiled-no-graphs", "eager"],
                    choices=["eager", "compiled-no-graphs", "cudagraphs"],
                    help="how the bundled pair runs: eager, compiled without CUDA graphs, or as users run it")
-    p.add_argument("--parts", nargs="+", default=["flex", "pair", "8b"], choices=["flex", "pair", "8b"],
-                   help="which parts run (8b: the 8B-shaped pair, then the MoE target)")
-    p.add_argument("--batch-budgets", type=int, nargs="*", default=[64, 512],
-                   help="generate_batch at these budgets, batches of --batches (none: skip the batched section)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--pair-budgets", type=int, nargs="*", default=[4, 16, 64, 512])
+    p.add_argument("--budgets", type=int, nargs="+", default=[512, 64, 16, 256, 1024])  # the paper's first
+    p.add_argument("--e2e-budget", type=int, default=64)
+    p.add_argument("--sampled-batches", type=int, nargs="*", default=[1, 16])
+    p.add_argument("--prefill-lengths", type=int, nargs="*", default=[8192, 30720])
+    p.add_argument("--batch-budgets", type=int, nargs="*", default=[64])
+    p.add_argument("--batches", type=int, nargs="*", default=[4, 16])
+    p.add_argument("--moe-budgets", type=int, nargs="*", default=[16, 64, 256, 512])
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--deadline", type=float, default=540,
+    p.add_argument("--deadline", type=float, default=520,
                    help="seconds: a section starts only if its compiles, at the measured time per graph, end before")
     p.add_argument("--json", default=None)
-    a = p.parse_args()
-    device = torch.device(a.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "small": a.small,
-           "skipped": []}
-    t0 = time.time()
-    per_graph = {"s": 0.0}  # seconds to compile one model graph, measured on the first compiled AR step
-
-    def section(name, graphs=0):
-        """Whether to run a section that compiles `graphs` model graphs: no if that would end past the deadline
-        (noted in the JSON). Saves what was measured so far either way."""
-        out["seconds"] = time.time() - t0
-        if a.json:
-            write_json(a.json, out)
-        if out["seconds"] + graphs * per_graph["s"] > a.deadline:
-            out["skipped"].append(name)
-            print(f"skipped ({graphs} graphs at {per_graph['s']:.0f} s each would end past {a.deadline:.0f} s): "
-                  f"{name}", flush=True)
-            return False
-        return True
-
-    def run(name, fn, graphs=0):
-        """fn() as one guarded section, if its graphs fit before the deadline."""
-        if section(name, graphs):
-            with guarded(out, name, device):
-                fn()
-
+    c = Check(p.parse_args())
+    parts = c.a.parts
     with torch.inference_mode():
-        out["versions"] = versions(device)
-        print(f"versions: {out['versions']}", flush=True)
-        if "flex" in a.parts:
-            run("flex vs sdpa", lambda: flex_check(device, dtype, out))
-        if "pair" in a.parts:
-            run("bundled pair", lambda: bundled_pair_check(device, out, a.pair_budgets, a.pair_modes,
-                                                                   lambda: a.json and write_json(a.json, out)))
-        if "8b" not in a.parts:
-            write_json(a.json, out) if a.json else None
-            return
-        target, drafter = build(SMALL if a.small else QWEN3_8B, device, dtype)
-        weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
-        bandwidth = copy_bandwidth(device, 0.25 if a.small else 2.0)
-        floor_ms = weight_bytes / bandwidth * 1e3
-        out.update(weight_gb=weight_bytes / 1e9, copy_bandwidth_gbs=bandwidth / 1e9, ar_floor_ms=floor_ms)
-        print(f"{out['device']}: target weights {weight_bytes / 1e9:.2f} GB, copy bandwidth "
-              f"{bandwidth / 1e9:.0f} GB/s -> AR floor {floor_ms:.2f} ms/token", flush=True)
-        modes = ["eager", "compiled"] + (["cudagraphs"] if device.type == "cuda" else [])
-
-        def ar_mode(mode):
-            ms, first_s = ar_steps(target, device, None if mode == "eager" else mode)
-            if mode == "compiled":
-                per_graph["s"] = out["compile_s_per_graph"] = first_s
-            out[f"ar_{mode}_ms"] = ms
-            print(f"AR step {mode:10s}: {ms:7.2f} ms  ({ms / floor_ms:.2f}x the floor); first call "
-                  f"{first_s:.1f} s  [{time.time() - t0:.0f} s]", flush=True)
-
-        for mode in modes:
-            run(f"AR step {mode}", lambda: ar_mode(mode), graphs=0 if mode == "eager" else 1)
-        out["rounds"] = {}
-        cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "round", "tree_work"] + (
-            ["tree_work_nograph"] if device.type == "cuda" else [])
-        print(round_header(cols, compiled=True, width=9) + "  (ms; stages eager except the forwards (draft, verify,"
-              " context), compiled as the engine runs them (CUDA graphs on the GPU); tree_work: tree + mask + walk"
-              " compiled together, with and without CUDA graphs; overhead: tree + mask + walk + compact share of the"
-              " stages; compiled: (round - draft - context - verify) / round)", flush=True)
-
-        def e2e():
-            res = end_to_end(target, drafter, a.e2e_budget)
-            out["end_to_end"] = {m: {k: v for k, v in res[m].items() if k != "tokens"} for m in ("ar", "ddtree")}
-            out["end_to_end"]["agree_prefix"] = res["agree_prefix"]
-            for m in ("ar", "ddtree"):
-                r = res[m]
-                print(f"generate {m:6s} compiled{' + CUDA graphs' if device.type == 'cuda' else ''}: "
-                      f"{r['tokens_per_s']:8.1f} tok/s, tau {r['tau']:.2f}, two runs identical: {r['repeatable']}"
-                      f"  [{time.time() - t0:.0f} s]", flush=True)
-            print(f"DDTree B={a.e2e_budget} and AR agree on the first {res['agree_prefix']} of "
-                  f"{len(res['ar']['tokens'])} tokens (random weights: near ties)", flush=True)
-
-        def one_round(budget, graphs):
-            with guarded(out, f"round B={budget}", device):
-                run_round(a, budget, target, drafter, out, section, t0, graphs, cols)
-
-        def tree():
-            t = tree_alone(target.config.vocab_size, 15, 512, device, a.repeats)
-            out["tree_alone"] = t
-            print(f"tree build alone (V={target.config.vocab_size}, depth 15, B=512): heap {t['heap_ms']:.2f} ms, "
-                  f"tensor eager {t['tensor_eager_ms']:.2f} ms, compiled {t['tensor_compiled_ms']:.2f} ms, "
-                  f"identical: {t['equal']}")
-
-        # The paper's budget first (draft, verify, context and round, plus two small tree-work graphs), then
-        # generate() end to end (3 new graphs: AR prefill, DDTree prefill and round), then the other budgets
-        # (verify and round, plus the tree work).
-        one_round(a.budgets[0], 5)
-        run("end to end", e2e, graphs=3)
-        for budget in a.budgets[1:]:
-            one_round(budget, 3)
-        with guarded(out, "batched", device):
-            batched_section(a, target, drafter, out, section, t0)
-        with guarded(out, "budget auto", device):
-            auto_section(a, target, drafter, out, section, t0)
-        run("tree alone", tree)
-        if a.moe_budgets:
-            del target, drafter  # the 30B-shaped target (61 GB in bf16) takes the 8B pair's place
-            if device.type == "cuda":
+        c.out["versions"] = versions(c.device)
+        c.say(f"versions: {c.out['versions']}")
+        if "flex" in parts:
+            c.run("flex vs sdpa", lambda: flex_check(c.device, c.dtype, c.out, c.compile))
+        if "pair" in parts:
+            c.run("bundled pair", lambda: bundled_pair_check(c))
+        bandwidth = None
+        if "8b" in parts:
+            with guarded(c.out, "8B-shaped pair", c.device):
+                bandwidth = dense_sections(c)
+            ddtree._ENGINES.clear()  # the 30B-shaped target (61 GB in bf16) takes the 8B pair's place
+            if c.device.type == "cuda":
                 torch.cuda.empty_cache()
-            with guarded(out, "moe", device):
-                moe_section(a, device, dtype, bandwidth, out, section, t0)
-    sync(device)
+        if "moe" in parts:
+            with guarded(c.out, "MoE target", c.device):
+                moe_sections(c, bandwidth or copy_bandwidth(c.device, 0.25 if c.a.small else 2.0))
+    sync(c.device)
     # Graphs that CUDA graph trees refused (mutated inputs they cannot pin, CPU ops, ...) ran uncaptured; the
     # reasons are in the log lines above ("skipping cudagraphs due to ...").
-    out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
-    print(f"graphs refused by CUDA graphs: {out['cudagraph_skips']}")
-    out["seconds"] = time.time() - t0
-    print(f"total {out['seconds']:.0f} s")
-    if a.json:
-        write_json(a.json, out)
+    c.out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    c.out["sections_not_ok"] = [k for k, v in c.out["sections"].items() if v.get("status") != "ok"]
+    c.say(f"graphs refused by CUDA graphs: {c.out['cudagraph_skips']}; sections not ok: {c.out['sections_not_ok']}")
+    c.save()
 
 
 if __name__ == "__main__":
