@@ -25,11 +25,13 @@ Lossless: every round, whichever candidate runs it, commits tokens with the targ
 round's own randomness. Probe rounds are ordinary rounds: their tokens count, and their time is the run's.
 """
 
+import contextlib
 import json
 import os
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -80,26 +82,62 @@ def cost_key(engine) -> str:
 
 
 def load_costs(key: str) -> dict | None:
-    try:
-        with open(cache_file()) as f:
-            return json.load(f).get(key)
-    except (OSError, ValueError):  # none yet, or unreadable: calibrate again
-        return None
-
-
-def save_costs(key: str, costs: dict):
-    """Add one calibration to the cache file (written whole to a temporary file, then renamed into place)."""
+    """This engine's calibration from the cache file, or None: none yet, or a file that cannot be read or used (one
+    warning naming it; the run calibrates again and replaces it). A cache never stops a run."""
     path = cache_file()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    everything = read_cache(path)
+    costs = everything.get(key)
+    if costs is None:
+        return None
+    if not (isinstance(costs, dict) and all(is_cost(v) for v in costs.values())):
+        warnings.warn(f"ignoring the calibration in {path}: its round times are not positive numbers; "
+                      f"calibrating again")
+        return None
+    return costs
+
+
+def is_cost(value) -> bool:
+    """A calibrated round time: positive seconds, or None for a candidate that was not timed (pruned)."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and
+                             0 < value < float("inf"))
+
+
+def read_cache(path: str) -> dict:
+    """The cache file's calibrations ({} when there is none, or with one warning when it cannot be used)."""
     try:
         with open(path) as f:
             everything = json.load(f)
-    except (OSError, ValueError):
-        everything = {}
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # none; a path that cannot hold one
+        return {}  # (save_costs says so, once)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ignoring the cost cache {path}: {e}; calibrating again")
+        return {}
+    if not isinstance(everything, dict):
+        warnings.warn(f"ignoring the cost cache {path}: it holds {type(everything).__name__}, not calibrations; "
+                      f"calibrating again")
+        return {}
+    return everything
+
+
+def save_costs(key: str, costs: dict):
+    """Add one calibration to the cache file (written whole to a temporary file, then renamed into place, so a
+    reader never sees half a file). Where it cannot be written: one warning, and the calibration serves this run."""
+    path = cache_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # load_costs has said what was wrong with the old file
+        everything = read_cache(path)
     everything[key] = costs
-    with open(path + f".{os.getpid()}", "w") as f:
-        json.dump(everything, f, indent=1)
-    os.replace(path + f".{os.getpid()}", path)
+    temporary = f"{path}.{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(temporary, "w") as f:
+            json.dump(everything, f, indent=1)
+        os.replace(temporary, path)
+    except OSError as e:
+        warnings.warn(f"cannot write the cost cache {path} ({e}): this run keeps its calibration in memory "
+                      f"(set DDTREE_CACHE_DIR to a writable directory)")
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
 
 
 def name(candidate) -> str:

@@ -24,13 +24,17 @@ import numbers
 import os
 import reprlib
 import secrets
+import signal
 import sys
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field, replace
 
-import torch
+if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 quietly; main() takes over from there
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+import torch  # noqa: E402
 
 from budget import AUTO_BUDGETS, AutoBudget
 from draft_tree import accepted_within, ancestor_matrix, build_tree, build_tree_heap, chain_accepted, format_tree
@@ -119,14 +123,17 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
                    budget: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, min_p: float = 0.0, seeds=None, stop_ids=None, compile: bool | str = False,
                    on_tokens=None, draft_temperature: float = 1.0, draft_sampling: bool = False,
-                   denoise_steps: int = 1, show_tree: bool = False, max_batch: int = 16) -> list[Result]:
+                   denoise_steps: int = 1, show_tree: bool = False, max_batch: int = 16,
+                   on_result=None) -> list[Result]:
     """generate() for many independent requests at once: one Result per prompt, in order.
 
     The requests run together, up to `max_batch` at a time, each with its own committed length, tree, RoPE
     positions, cache row and random generator: request i draws its randomness from a generator seeded with
     seeds[i] in the order generate(seed=seeds[i]) draws it, so it is the same sample as the lone run (seeds:
     one int or None per prompt; None = a fresh seed). A request that ends (stop token, token limit) stops
-    emitting while the rest go on. on_tokens(i, list[int]) streams request i's tokens. Batches are padded to a
+    emitting while the rest go on. on_tokens(i, list[int]) streams request i's tokens; on_result(i, Result) gets
+    request i's Result as soon as it ends (its stats as of then: compile_seconds counts the compiling so far, and
+    budget auto's report its rounds so far), before later requests end. Batches are padded to a
     power of two, so a few compiled graphs serve every batch size, and a batch moves to the next smaller power of
     two as its requests end (stats["batch"] is the size it started at). Other settings and stats: as generate().
     """
@@ -134,6 +141,8 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     spec = check_speculation(method, sampling, budget, draft_temperature, draft_sampling, denoise_steps, show_tree)
     prompts, seeds, stop = check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec,
                                          compile, on_tokens, max_batch)
+    if on_result is not None and not callable(on_result):
+        raise TypeError(f"on_result must be a function of (request index, Result), got {on_result!r}")
     results = []
     with torch.inference_mode():
         for first in range(0, len(prompts), max_batch):
@@ -145,24 +154,27 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
                                            spec, length, compile, show_tree, auto=budgets)
             engine = engine_for(batch_bucket(len(wave), max_batch))
             emit_to = on_tokens and (lambda j, new, first=first: on_tokens(first + j, new))
+
+            def ended(j, result, first=first, engine=engine):
+                result.stats.update(method=method, budget=spec.budget)
+                if spec.budget == "auto":
+                    result.stats["auto"] = engine.report()
+                if on_result is not None:
+                    on_result(first + j, result)
+
             # Budget auto keeps its batch: its candidates' costs are calibrated for one batch size.
             results += run_requests(engine, [prompts[i] for i in wave], [seeds[i] for i in wave], stop,
-                                    max_new_tokens, emit_to, None if spec.budget == "auto" else engine_for)
-            if spec.budget == "auto":
-                report = engine.report()
-                for result in results[first:]:
-                    result.stats["auto"] = report
-    for result in results:
-        result.stats.update(method=method, budget=spec.budget)
+                                    max_new_tokens, emit_to, None if spec.budget == "auto" else engine_for, ended)
     return results
 
 
 def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_new_tokens: int,
-                 on_tokens, engine_for=None) -> list[Result]:
+                 on_tokens, engine_for=None, ended=None) -> list[Result]:
     """Run one batch of requests on `engine` to the end: prefill, then rounds until every request has ended.
     engine_for(batch): an engine of the same settings for a smaller batch. The rows of a request that has ended
     still run (static shapes), so once the running requests fit a smaller power of two they move to such an
-    engine: a batch whose requests end at different rounds no longer runs every round at its starting size."""
+    engine: a batch whose requests end at different rounds no longer runs every round at its starting size.
+    ended(i, Result): called as request i ends, its stats complete."""
     compile_seconds = engine.warm_up()
     t0, compiling = time.perf_counter(), 0.0  # compiling: seconds since t0 spent warming up smaller engines
     results = [Result(tokens=[], stats=dict(accepted=[], verified=[], seed=seed)) for seed in seeds]
@@ -185,7 +197,13 @@ def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_ne
             if done:
                 live.discard(i)
                 engine.finish(row)
-                r.stats["seconds"] = time.perf_counter() - t0 - compiling
+                s, rounds = r.stats, len(r.stats["accepted"])
+                s.update(seconds=time.perf_counter() - t0 - compiling, new_tokens=len(r.tokens), rounds=rounds,
+                         tau=sum(s["accepted"]) / rounds if rounds else 0.0, compile_seconds=compile_seconds,
+                         batch=len(prompts))
+                s["tokens_per_s"] = len(r.tokens) / s["seconds"] if s["seconds"] > 0 else 0.0
+                if ended is not None:
+                    ended(i, r)
 
     emit_each([([t], None) for t in engine.start(prompts, seeds)], is_round=False)
     while live:
@@ -195,11 +213,6 @@ def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_ne
             committed = max(len(prompts[i]) + len(results[i].tokens) - 1 for i in live)
             engine, rows, seconds = move_to_smaller(engine, engine_for, rows, live, committed)
             compile_seconds, compiling = compile_seconds + seconds, compiling + seconds
-    for r in results:
-        s, rounds = r.stats, len(r.stats["accepted"])
-        s.update(new_tokens=len(r.tokens), rounds=rounds, tau=sum(s["accepted"]) / rounds if rounds else 0.0,
-                 tokens_per_s=len(r.tokens) / s["seconds"] if s["seconds"] > 0 else 0.0,
-                 compile_seconds=compile_seconds, batch=len(prompts))
     return results
 
 
@@ -1019,7 +1032,7 @@ def run_cli(args) -> int:
         print(json.dumps(dict(text=text.decode(res.tokens), tokens=res.tokens, stats=s)))
     else:
         print()
-        compiled = f" (+{s['compile_seconds']:.1f} s compiling)" if s["compile_seconds"] else ""
+        compiled = f" (+{s['compile_seconds']:.1f} s {warm_up_label(args)})" if s["compile_seconds"] else ""
         print(f"[{s['method']}] {s['new_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
               f"{s['tokens_per_s']:.1f} tokens/s{compiled}", file=sys.stderr)
         if "auto" in s:
@@ -1039,24 +1052,48 @@ def auto_summary(a: dict) -> str:
 
 
 def run_batch(args, target, drafter, text, prompts, seeds, settings) -> int:
-    """--prompts-file: every request through generate_batch; one JSON line per request, in order, as each batch
-    ends; a summary line on stderr. --seed S gives request i the seed S + i unless its line has its own."""
+    """--prompts-file: every request through generate_batch; one JSON line per request (with its index) as soon as
+    it ends; a summary line on stderr. --seed S gives request i the seed S + i unless its line has its own."""
     base = settings.pop("seed", None)
     seeds = [s if s is not None else (None if base is None else base + i) for i, s in enumerate(seeds)]
     batch = as_int("--batch-size", args.batch_size) if args.batch_size is not None else 16
     check_int("--batch-size", batch, 1)
     t0 = time.perf_counter()
-    results = generate_batch(target, drafter, prompts, method=args.method, compile=compile_mode(args), seeds=seeds,
-                             max_batch=batch, **settings)
+    done = []
+
+    def print_line(i, res):  # as each request ends: Ctrl-C later keeps every line printed so far
+        print(json.dumps(dict(index=i, text=text.decode(res.tokens), tokens=res.tokens, stats=res.stats)),
+              flush=True)
+        done.append(i)
+
+    try:
+        results = generate_batch(target, drafter, prompts, method=args.method, compile=compile_mode(args),
+                                 seeds=seeds, max_batch=batch, on_result=print_line, **settings)
+    except KeyboardInterrupt:
+        print(f"[{args.method}] interrupted after {len(done)} of {len(prompts)} requests", file=sys.stderr)
+        return 130
     seconds = time.perf_counter() - t0
-    for i, res in enumerate(results):
-        print(json.dumps(dict(index=i, text=text.decode(res.tokens), tokens=res.tokens, stats=res.stats)))
     total = sum(len(r.tokens) for r in results)
-    compiling = sum(results[i].stats["compile_seconds"] for i in range(0, len(results), batch))  # one per batch
+    # compile_seconds grows as a batch runs (a smaller engine's first warm-up): its last request's is the batch's
+    compiling = sum(max(r.stats["compile_seconds"] for r in results[i:i + batch])
+                    for i in range(0, len(results), batch))
     print(f"[{args.method}] {len(results)} requests in batches of up to {batch}: {total} tokens, "
           f"{total / max(seconds - compiling, 1e-9):.1f} tokens/s" +
-          (f" (+{compiling:.1f} s compiling)" if compiling else ""), file=sys.stderr)
+          (f" (+{compiling:.1f} s {warm_up_label(args)})" if compiling else ""), file=sys.stderr)
+    if settings.get("budget") == "auto":  # one line per batch: each batch chooses on its own
+        for i in range(0, len(results), batch):
+            last = max(results[i:i + batch], key=lambda r: len(r.stats["auto"]["schedule"]))  # the final report
+            print(auto_summary(last.stats["auto"]), file=sys.stderr)
     return 0
+
+
+def warm_up_label(args) -> str:
+    """What a run's time before its first round went to: compiling its engines, and for budget auto, timing
+    its candidates."""
+    compiling = compile_mode(args) is not False
+    if args.budget == "auto":
+        return "compiling and calibrating" if compiling else "calibrating"
+    return "compiling"
 
 
 def check_text(prompt: str) -> str:
@@ -1073,7 +1110,7 @@ def read_prompts_file(path: str) -> list[tuple[str, int | None]]:
     """(prompt, seed or None) per non-blank line of a --prompts-file: a JSON string, or an object with "prompt"
     and optionally "seed"."""
     requests = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark, as some editors write, is not text
         try:
             lines = f.read().splitlines()
         except UnicodeDecodeError:
@@ -1104,9 +1141,13 @@ def read_prompts_file(path: str) -> list[tuple[str, int | None]]:
 
 
 def main(argv=None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is a KeyboardInterrupt from here on
     try:
-        args = parse_args(argv)
-        return run_cli(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = print_warning
+            args = parse_args(argv)
+            return run_cli(args)
     except (ValueError, TypeError, OSError) as e:
         if isinstance(e, BrokenPipeError):
             return closed_pipe()
@@ -1115,6 +1156,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # while loading
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def print_warning(message, category, filename, lineno, file=None, line=None):
+    """The command line's warnings: one `warning:` line each, as its errors are one `error:` line."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def closed_pipe() -> int:

@@ -198,7 +198,7 @@ def test_prompts_file_gives_each_request_its_lone_result(tmp_path, one_thread):
     common = ["--max-new-tokens", "10", "--no-chat", "--temperature", "0.8", "--seed", "100", "--budget", "8"]
     code, out, err = cli("--prompts-file", str(path), "--batch-size", "2", *common)
     assert code == 0, err
-    rows = [json.loads(line) for line in out.splitlines()]
+    rows = sorted((json.loads(line) for line in out.splitlines()), key=lambda r: r["index"])  # as each ends
     assert [r["index"] for r in rows] == [0, 1, 2] and "3 requests" in err
     # --seed S gives request i the seed S + i, unless its line has its own
     assert [r["stats"]["seed"] for r in rows] == [100, 7, 102]
@@ -222,6 +222,54 @@ def test_bad_prompts_file_is_one_clear_error(tmp_path, content, extra, message):
     path = tmp_path / "p.jsonl"
     path.write_text(content)
     assert_one_error_line(*cli("--prompts-file", str(path), "--method", "ar", "--no-chat", *extra)[::2], message)
+
+
+def test_each_request_is_reported_as_soon_as_it_ends(pair):
+    # on_result gets a request's Result when it ends, while the batch's other requests still run
+    target, drafter = pair
+    prompts = ragged_prompts(5, seed=7)
+    events = []
+    results = generate_batch(target, drafter, prompts, budget=6, max_new_tokens=30, stop_ids=[STOP], max_batch=8,
+                             seeds=list(range(5)), on_tokens=lambda i, new: events.append(("tokens", i)),
+                             on_result=lambda i, r: events.append(("result", i, list(r.tokens), dict(r.stats))))
+    ended = [e for e in events if e[0] == "result"]
+    assert sorted(e[1] for e in ended) == list(range(5))
+    for _, i, tokens, stats in ended:  # what was reported is the final Result
+        assert tokens == results[i].tokens and stats == results[i].stats and stats["method"] == "ddtree"
+    first_end = events.index(ended[0])
+    assert any(e[0] == "tokens" and e[1] != ended[0][1] for e in events[first_end:]), "no request ran on"
+
+
+def test_prompts_file_lines_come_as_requests_end_and_ctrl_c_keeps_them(tmp_path, monkeypatch, one_thread):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\ufeff" + "\n".join(json.dumps(f"def f{i}(x):") for i in range(4)) + "\n", encoding="utf-8")
+    batch = ddtree.generate_batch
+
+    def interrupted(*args, on_result, **kwargs):  # Ctrl-C after the second request has ended
+        def report(i, res):
+            on_result(i, res)
+            if len(reported) == 1:
+                raise KeyboardInterrupt
+            reported.append(i)
+        return batch(*args, on_result=report, **kwargs)
+
+    reported = []
+    monkeypatch.setattr(ddtree, "generate_batch", interrupted)
+    code, out, err = cli("--prompts-file", str(path), "--batch-size", "4", "--max-new-tokens", "6", "--no-chat",
+                         "--budget", "8")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert code == 130 and len(lines) == 2 and "interrupted after 2 of 4 requests" in err, (code, out, err)
+    assert all(line["text"] and line["stats"]["new_tokens"] == 6 for line in lines)
+
+
+def test_eager_budget_auto_over_a_prompts_file_says_calibrating_and_reports_its_choice(tmp_path, monkeypatch,
+                                                                                         one_thread):
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path / "cache"))  # a calibration of its own
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('"def f(x):"\n"import os"\n')
+    code, out, err = cli("--prompts-file", str(path), "--max-new-tokens", "6", "--no-chat", "--budget", "auto")
+    assert code == 0, err
+    assert "s calibrating)" in err and "compiling" not in err and "auto: best" in err, err
 
 
 def test_batch_size_needs_a_prompts_file():

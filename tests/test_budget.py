@@ -4,6 +4,7 @@ round)."""
 
 import itertools
 import json
+import os
 
 import pytest
 import torch
@@ -110,8 +111,57 @@ def test_calibration_is_cached_and_reused(pair, monkeypatch, tmp_path):
     assert len(json.loads((tmp_path / "costs.json").read_text())) == 2
     (tmp_path / "costs.json").write_text("{not json")
     ddtree._ENGINES.clear()
-    assert generate(target, drafter, [3, 4, 5], budget="auto", max_new_tokens=8).stats["auto"]["calibrated_now"]
+    with pytest.warns(UserWarning, match="ignoring the cost cache"):
+        assert generate(target, drafter, [3, 4, 5], budget="auto", max_new_tokens=8).stats["auto"]["calibrated_now"]
     assert len(json.loads((tmp_path / "costs.json").read_text())) == 1
+
+
+@pytest.mark.parametrize("contents", ["[]", "null", '"costs"', "7", "ZERO", "NEGATIVE", "STRING", "LIST"])
+def test_a_cost_cache_that_cannot_be_used_is_ignored_with_one_warning(pair, monkeypatch, tmp_path, contents):
+    # Whatever the file holds, the run goes on: one warning naming the file, a new calibration, the file replaced.
+    target, drafter = pair
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "costs.json"
+    ddtree._ENGINES.clear()
+    if contents.isupper():  # this engine's own entry, with unusable round times
+        generate(target, drafter, [3, 4, 5], budget="auto", max_new_tokens=4)
+        stored = json.loads(path.read_text())
+        key = next(iter(stored))
+        bad = {"ZERO": 0, "NEGATIVE": -1.0, "STRING": "fast", "LIST": [1]}[contents]
+        stored[key] = {c: bad for c in stored[key]}
+        contents = json.dumps(stored)
+        ddtree._ENGINES.clear()
+    path.write_text(contents)
+    ar = generate(target, None, [3, 4, 5], method="ar", max_new_tokens=12, stop_ids=[])
+    with pytest.warns(UserWarning, match=str(path).replace("\\", "\\\\")) as caught:
+        res = generate(target, drafter, [3, 4, 5], budget="auto", max_new_tokens=12, stop_ids=[])
+    assert len([w for w in caught if "cost cache" in str(w.message) or "calibration in" in str(w.message)]) == 1
+    assert res.tokens == ar.tokens and res.stats["auto"]["calibrated_now"]
+    stored = json.loads(path.read_text())
+    assert isinstance(stored, dict) and all(v is None or v > 0 for c in stored.values() for v in c.values())
+
+
+@pytest.mark.parametrize("where", ["costs.json is a directory", "cache dir is a file", "cache dir is read-only"])
+def test_an_unwritable_cost_cache_keeps_the_calibration_and_generates(pair, monkeypatch, tmp_path, where):
+    target, drafter = pair
+    root = tmp_path / "cache"
+    if where == "costs.json is a directory":
+        (root / "costs.json").mkdir(parents=True)
+    elif where == "cache dir is a file":
+        root.write_text("not a directory")
+    else:
+        root.mkdir()
+        root.chmod(0o500)
+        if os.access(root, os.W_OK):  # root ignores permissions
+            pytest.skip("this user can write to a read-only directory")
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(root))
+    ddtree._ENGINES.clear()
+    ar = generate(target, None, [3, 4, 5], method="ar", max_new_tokens=12, stop_ids=[])
+    with pytest.warns(UserWarning, match="cannot write the cost cache"):
+        res = generate(target, drafter, [3, 4, 5], budget="auto", max_new_tokens=12, stop_ids=[])
+    assert res.tokens == ar.tokens
+    code, out, err = cli("--prompt", "def f(x):", "--budget", "auto", "--max-new-tokens", "4")  # the bundled pair
+    assert code == 0 and out and "warning: cannot write the cost cache" in err and "Traceback" not in err
 
 
 def test_calibration_ends_the_curve_where_trees_cannot_beat_plain_decoding(monkeypatch):

@@ -157,3 +157,16 @@ def test_cli_process_exits_nonzero_without_traceback(checkpoint):
                         "--method", "ar", "--top-p", "7"], capture_output=True, text=True)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr and "top_p" in p.stderr
+
+
+def test_ctrl_c_while_torch_imports_exits_130_quietly():
+    # The first seconds of `python ddtree.py` are spent importing torch: Ctrl-C there ends the run as Ctrl-C
+    # anywhere else does, exit status 130 and no traceback.
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "ddtree.py"), "--prompt", "hi"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # past the interpreter's start, inside `import torch` (about a second here)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err and not out, (p.returncode, err[-2000:])

@@ -81,7 +81,10 @@ def test_non_finite_probabilities_are_an_error(pair, monkeypatch):
     """Warped probabilities that are NaN (here planted) stop generation with an error instead of a token 0."""
     target, drafter = pair
     import ddtree as engine_module
-    monkeypatch.setattr(engine_module, "warp_probs", lambda logits, s: torch.full_like(logits, float("nan")))
+    import sampler
+    nan = lambda logits, s: torch.full_like(logits, float("nan"))
+    monkeypatch.setattr(engine_module, "warp_probs", nan)
+    monkeypatch.setattr(sampler, "warp_probs", nan)  # the target's draws (sampler.sample_rows)
     for method in ("ar", "ddtree"):
         with pytest.raises(ValueError, match="non-finite"):
             generate(target, None if method == "ar" else drafter, [3, 4], method=method, max_new_tokens=6,
