@@ -93,6 +93,19 @@ class Qwen3Config:
             raise ValueError(f"{where}: use_sliding_window=true is not supported")
         if d.get("attention_bias"):
             raise ValueError(f"{where}: attention_bias=true is not supported (Qwen3 has no attention biases)")
+        if d.get("mlp_bias"):
+            raise ValueError(f"{where}: mlp_bias=true is not supported (Qwen3 has no MLP biases)")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":  # every MLP here (and the drafter's) is SiLU-gated, as Qwen3's
+            raise ValueError(f"{where}: hidden_act={act!r} is not supported (only 'silu', Qwen3's)")
+        kinds = d.get("layer_types")
+        if kinds is not None and (not isinstance(kinds, list) or set(kinds) - {"full_attention"}):
+            raise ValueError(f"{where}: layer_types other than full_attention are not supported "
+                             f"(got {sorted(set(map(str, kinds))) if isinstance(kinds, list) else kinds!r})")
+        partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if partial != 1:
+            raise ValueError(f"{where}: partial_rotary_factor={partial!r} is not supported (Qwen3 ropes every "
+                             f"dimension)")
         if moe is None:
             moe = d.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (d.get("architectures") or [])
         return cls(

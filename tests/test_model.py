@@ -747,3 +747,26 @@ def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     monkeypatch.setattr(model_mod, "COMPILE_LAYERS_ONCE", False)
     logits, bodies, _ = regions()
     assert bodies == [] and max_diff(logits, ref) < 1e-5
+
+
+@pytest.mark.parametrize("field, edit, message", [
+    ("hidden_act", lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("layer_types", lambda c: c.update(layer_types=["full_attention", "sliding_attention"] * 2), "layer_types"),
+    ("use_sliding_window", lambda c: c.update(use_sliding_window=True, sliding_window=4), "use_sliding_window"),
+    ("attention_bias", lambda c: c.update(attention_bias=True), "attention_bias"),
+    ("mlp_bias", lambda c: c.update(mlp_bias=True), "mlp_bias"),
+    ("partial_rotary_factor", lambda c: (to_v5(c), c["rope_parameters"].update(partial_rotary_factor=0.5)),
+     "partial_rotary_factor"),
+])
+def test_config_fields_that_change_the_math_are_refused(broken, field, edit, message):
+    # Every config field that changes the computation is implemented as transformers does (the logits tests) or
+    # refused in one line, never ignored (docs/checkpoints.md lists them field by field).
+    rewrite_config(broken, edit)
+    raises(broken, message)
+
+
+def test_config_fields_that_do_not_change_the_math_load(broken):
+    rewrite_config(broken, lambda c: c.update(hidden_act="silu", layer_types=["full_attention"] * c["num_hidden_layers"],
+                                              sliding_window=4096, max_window_layers=2, attention_dropout=0.0,
+                                              initializer_range=0.02, use_cache=True))
+    Qwen3.from_pretrained(broken, device="cpu")
