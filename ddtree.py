@@ -22,10 +22,12 @@ import functools
 import json
 import numbers
 import os
+import re
 import reprlib
 import secrets
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -603,6 +605,7 @@ class Engine:
             # graphs (which read the models and masks through `self` at each call); frozen graphs are per engine.
             # Room for a few engines (settings, budgets) before dynamo falls back to eager.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            writable_inductor_cache()
             if self.device.type == "cpu":
                 start_cpu_isa_probe()
                 t0 = time.perf_counter()
@@ -653,6 +656,24 @@ def graph_warmup_calls(compile, device_type: str) -> int:
     as a warm-up and record its graph on the second (torch/_inductor/cudagraph_trees.py); plain graphs are built
     by the first call."""
     return 2 if compile and device_type == "cuda" else 1
+
+
+@functools.cache
+def writable_inductor_cache():
+    """Inductor writes every compiled kernel under TORCHINDUCTOR_CACHE_DIR (default: the temporary directory's
+    torchinductor_<user>); where that cannot be written, a compile dies deep inside a worker thread. Checked once
+    per process: an unwritable one is replaced by a private temporary directory for this process, with one warning."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    try:
+        path = cache_dir()  # makes it if need be
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        fallback = tempfile.mkdtemp(prefix="ddtree-inductor-")
+        warnings.warn(f"the inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')} cannot be written ({e}); "
+                      f"compiling into {fallback} for this run (set TORCHINDUCTOR_CACHE_DIR to a writable directory "
+                      f"to keep compiled kernels between runs)")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fallback
 
 
 @functools.cache
@@ -1033,8 +1054,9 @@ def run_cli(args) -> int:
     else:
         print()
         compiled = f" (+{s['compile_seconds']:.1f} s {warm_up_label(args)})" if s["compile_seconds"] else ""
+        templated = "; the prompt went through the chat template (--no-chat: as written)" if chat else ""
         print(f"[{s['method']}] {s['new_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
-              f"{s['tokens_per_s']:.1f} tokens/s{compiled}", file=sys.stderr)
+              f"{s['tokens_per_s']:.1f} tokens/s{compiled}{templated}", file=sys.stderr)
         if "auto" in s:
             print(auto_summary(s["auto"]), file=sys.stderr)
     return 0
@@ -1151,11 +1173,22 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError) as e:
         if isinstance(e, BrokenPipeError):
             return closed_pipe()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_flags(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # while loading
         print("interrupted", file=sys.stderr)
         return 130
+
+
+# The API's parameter names that are CLI flags of another spelling: the command line speaks in flags.
+FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "max_new_tokens", "top_k", "top_p", "min_p", "temperature", "budget", "draft_temperature", "draft_sampling",
+    "denoise_steps", "show_tree", "seed")} | {"max_batch": "--batch-size"}
+
+
+def in_flags(message: str) -> str:
+    """An error from the Python API as the command line says it: its parameter names as flags."""
+    return re.sub(r"(?<![\w-])(" + "|".join(FLAGS) + r")\b", lambda m: FLAGS[m[1]], message)
 
 
 def print_warning(message, category, filename, lineno, file=None, line=None):

@@ -134,6 +134,10 @@ def test_cli_streams_text_and_summary(checkpoint, capsys):
                          "8", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3")
     assert code == 0, err
     assert "tau" in err and "tokens/s" in err
+    assert "the prompt went through the chat template" in err  # the checkpoint has one: say that it was applied
+    code, out, err = cli(capsys, "--target", checkpoint, "--method", "ar", "--prompt", "hello", "--max-new-tokens",
+                         "8", "--no-chat")
+    assert code == 0 and "chat template" not in err, err
 
 
 def test_chat_template_renders_like_transformers(checkpoint):
@@ -156,7 +160,7 @@ def test_cli_process_exits_nonzero_without_traceback(checkpoint):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "ddtree.py"), "--target", checkpoint, "--prompt", "hi",
                         "--method", "ar", "--top-p", "7"], capture_output=True, text=True)
     assert p.returncode == 2
-    assert "Traceback" not in p.stderr and "top_p" in p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.startswith("error: --top-p must be")  # the CLI speaks in flags
 
 
 def test_ctrl_c_while_torch_imports_exits_130_quietly():
@@ -170,3 +174,30 @@ def test_ctrl_c_while_torch_imports_exits_130_quietly():
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "Traceback" not in err and not out, (p.returncode, err[-2000:])
+
+
+@pytest.mark.parametrize("kind", ["a file", "read-only"])
+def test_an_unwritable_inductor_cache_falls_back_to_a_private_one_with_a_warning(tmp_path, monkeypatch, kind):
+    # A compile would die in inductor's worker threads (thousands of lines); the engine checks the directory first.
+    bad = tmp_path / "inductor"
+    if kind == "a file":
+        bad.write_text("not a directory")
+    else:
+        bad.mkdir()
+        bad.chmod(0o500)
+        if os.access(bad, os.W_OK):
+            pytest.skip("this user can write to a read-only directory")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(bad))
+    with pytest.warns(UserWarning, match="cannot be written") as caught:
+        ddtree.writable_inductor_cache.__wrapped__()
+    fallback = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert str(bad) in str(caught[0].message) and fallback != str(bad) and os.access(fallback, os.W_OK)
+
+
+def test_a_writable_inductor_cache_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "fine"))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ddtree.writable_inductor_cache.__wrapped__()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "fine")
