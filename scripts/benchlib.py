@@ -20,7 +20,7 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
-                         save_checkpoint, stdlib_files)
+                         save_checkpoint, stdlib_files, write_json_file)
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
 from ddtree import (CPU_AUTOTUNE_OPTIONS, Engine, Speculation, cache_length, call_compiled,  # noqa: E402
                     compile_frozen, generate, generate_batch, run_requests)
@@ -33,8 +33,7 @@ from tree_attn import PrefixMask, compact_kv  # noqa: E402
 
 def write_json(path: str, obj):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
+    write_json_file(path, obj, indent=1)  # whole or not at all: gpu_check rewrites it after every section
 
 
 def sync(device):

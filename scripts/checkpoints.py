@@ -46,8 +46,7 @@ def train_tokenizer(files, vocab_size: int, out_dir: str, chat_template: str = C
               "bos_token": None, "model_max_length": 4096}
     if chat_template:
         config["chat_template"] = chat_template
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    write_json_file(os.path.join(out_dir, "tokenizer_config.json"), config)
     return tok
 
 
@@ -115,16 +114,48 @@ def layer_weights(prefix, H, I, nh, nkv, hd, rand) -> dict:
     return w
 
 
+def atomic_write(path: str, write):
+    """write(temporary_path), then the temporary file renamed over `path`: a reader, or a run cut short, never meets
+    half a file, and what was at `path` stays until the new file is whole."""
+    atomic_write_all({path: write})
+
+
+def atomic_write_all(writes: dict):
+    """{path: write(temporary_path)}: every file written to its temporary first, and only when all are whole are
+    they renamed into place, so a save that fails midway changes none of them."""
+    temporaries = {path: f"{path}.tmp.{os.getpid()}" for path in writes}
+    try:
+        for path, write in writes.items():
+            write(temporaries[path])
+        for path, temporary in temporaries.items():
+            os.replace(temporary, path)
+    finally:
+        for temporary in temporaries.values():
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+
+def json_writer(obj, indent=2):
+    def write(path):
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=indent)
+    return write
+
+
+def write_json_file(path: str, obj, indent=2):
+    atomic_write(path, json_writer(obj, indent))
+
+
 def save_checkpoint(out_dir: str, config: dict, weights: dict, eos_ids=None):
-    """config.json + model.safetensors (+ generation_config.json with the stop ids)."""
+    """config.json + model.safetensors (+ generation_config.json with the stop ids), all replaced together."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt"})
+    writes = {os.path.join(out_dir, "config.json"): json_writer(config),
+              os.path.join(out_dir, "model.safetensors"):
+                  lambda p: save_file({k: v.contiguous() for k, v in weights.items()}, p, metadata={"format": "pt"})}
     if eos_ids is not None:
-        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-            json.dump({"eos_token_id": list(eos_ids), "do_sample": False}, f, indent=2)
+        writes[os.path.join(out_dir, "generation_config.json")] = json_writer(
+            {"eos_token_id": list(eos_ids), "do_sample": False})
+    atomic_write_all(writes)
 
 
 def dflash_config(target: dict, layers=1, block_size=8, mask_token_id=None, target_layer_ids=None, inter=None) -> dict:

@@ -47,7 +47,7 @@ for p in (HERE, ROOT):
         sys.path.insert(0, p)
 
 from checkpoints import (add_training_options, load_train_state, save_checkpoint, save_train_state,  # noqa: E402
-                         stdlib_files, zlab_config, zlab_weights)
+                         stdlib_files, zlab_config, zlab_weights, atomic_write, write_json_file)
 from drafter import DFlashConfig, DFlashDrafter, check_pair  # noqa: E402
 from model import Qwen3, apply_rope, read_json, rope_cos_sin  # noqa: E402
 from train_target import HELD_OUT_EVERY, build_stream, forward_batch, greedy_continue, init_weights, lr_at  # noqa: E402
@@ -285,7 +285,7 @@ def prepare_data(a, target, tok, block_size):
     ev_tokens, ev_anchors = eval_contexts(target, held, a.eval_contexts, block_size, a.seed + 2,
                                            [int(x) for x in a.eval_lengths.split(",")])
     data = dict(stream=stream, greedy=greedy, eval_tokens=ev_tokens, eval_anchors=ev_anchors)
-    save_file(data, path)
+    atomic_write(path, lambda p: save_file(data, p))
     print(f"data: {stream.numel():,} real tokens, {greedy.shape[0]} greedy sequences of {greedy.shape[1]}, "
           f"{ev_tokens.shape[0]} eval contexts; {chat_starts.numel()} chat starts in the stream "
           f"({time.time() - t0:.0f} s)", flush=True)
@@ -491,8 +491,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if a.save_dtype == "bfloat16" else torch.float32
     config["torch_dtype"] = a.save_dtype
     save_checkpoint(final_dir, config, zlab_weights(drafter, dtype))
-    with open(os.path.join(final_dir, "training_log.json"), "w") as f:
-        json.dump(dict(args=vars(a), params=n_params, log=log), f, indent=1)
+    write_json_file(os.path.join(final_dir, "training_log.json"), dict(args=vars(a), params=n_params, log=log), 1)
     print(f"wrote {final_dir} ({(time.time() - t_start) / 60:.1f} min)", flush=True)
 
 

@@ -36,7 +36,7 @@ for p in (HERE, ROOT):
         sys.path.insert(0, p)
 
 from checkpoints import (CHAT_TEMPLATE, add_training_options, load_train_state, qwen3_config, save_checkpoint, save_train_state,  # noqa: E402
-                         stdlib_files, train_tokenizer)
+                         stdlib_files, train_tokenizer, write_json_file)
 from model import Qwen3, Qwen3Config, apply_rope, rope_cos_sin  # noqa: E402
 
 HELD_OUT_EVERY = 20
@@ -326,8 +326,8 @@ def main(argv=None):
     config["torch_dtype"] = a.save_dtype
     save_checkpoint(final_dir, config, hf_weights(model, dtype), eos_ids=eos)
     train_tokenizer_copy(tok_dir, final_dir)
-    with open(os.path.join(final_dir, "training_log.json"), "w") as f:
-        json.dump(dict(args=vars(a), data=info, params=n_params, log=log), f, indent=1)
+    write_json_file(os.path.join(final_dir, "training_log.json"),
+                    dict(args=vars(a), data=info, params=n_params, log=log), 1)
     print(f"wrote {final_dir} ({(time.time() - t_start) / 60:.1f} min)", flush=True)
 
 

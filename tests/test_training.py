@@ -313,3 +313,21 @@ def test_bundled_pair_greedy_methods_agree_and_speculate():
         tree = generate(target, drafter, prompt, method="ddtree", budget=64, max_new_tokens=48, stop_ids=[])
         assert chain.tokens == ar and tree.tokens == ar
         assert tree.stats["tau"] > chain.stats["tau"] > 1.2  # real speculation, and the tree adds to it
+
+
+def test_checkpoints_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    # A save that fails midway (disk full, Ctrl-C) leaves the previous checkpoint as it was, and no stray file.
+    import checkpoints
+    c = checkpoints.qwen3_config(16, hidden=32, inter=64, layers=1, heads=2, kv_heads=1, head_dim=16)
+    checkpoints.save_checkpoint(str(tmp_path), c, checkpoints.random_qwen3_weights(c))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def failing(tensors, path, metadata=None):
+        open(path, "wb").write(b"half a file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoints, "save_file", failing)
+    with pytest.raises(OSError):
+        checkpoints.save_checkpoint(str(tmp_path), dict(c, hidden_size=64), checkpoints.random_qwen3_weights(c))
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert after == before
