@@ -13,7 +13,7 @@ drafts time it as well as trained ones. The bundled pair (17 MB in fp32) sits in
 is compute-bound from a few rows on; 1024x8 (109M parameters, 436 MB in fp32) does not, so its plain step
 streams the weights from DRAM and a few-row forward can cost little more than one row. DDTree at budget B beats
 plain decoding by tau(B) / break-even(B), with tau(B) the pair's measured tokens per round (the bundled pair's:
-`scripts/bench_pair.py`, README).
+`scripts/bench_pair.py`, docs/benchmarks.md).
 
 Each engine is compiled first (its compile time is printed apart); then the methods take turns, `--passes`
 times, each turn the median of `--steps` steps after a prefill of `--prompt-len` random tokens; the table keeps
