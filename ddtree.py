@@ -38,13 +38,14 @@ if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 qui
 
 import torch  # noqa: E402
 
+import cpu_backend
 from budget import AUTO_BUDGETS, AutoBudget
 from draft_tree import accepted_within, ancestor_matrix, build_tree, build_tree_heap, chain_accepted, format_tree
 from drafter import DFlashDrafter
-from model import Qwen3, prepack_linears
+from model import Qwen3
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
 from text import Streamer, Text
-from tree_attn import PrefixMask, causal, compact_kv, load_cpu_kernel, round_up
+from tree_attn import PrefixMask, causal, compact_kv, round_up
 
 # Eager FlexAttention (eager engines on CUDA, EAGER_CPU_ATTENTION = "flex") warns that it materializes the scores:
 # it does, by design of the eager path; --compile is the fused kernel.
@@ -58,13 +59,6 @@ DEFAULT_BUDGET = 512  # the paper's tree size
 PREFILL_CHUNK = 128
 PREFILL_CHUNKS = {"cuda": 512}
 EAGER_CPU_ATTENTION = "sdpa"  # eager CPU engines: "sdpa" (the mask materialized) or "flex" (eager FlexAttention)
-# compile="max-autotune" on the CPU: the engine freezes its weights into its own graphs and lets inductor's autotuner
-# give each matmul its C++ GEMM template (weights prepacked, register-blocked for the row count) where that beats
-# aten's sgemm: the few rows of a draft or a small verify run ~3x faster, at the price of longer compiles
-# (docs/compile.md, "Few-row matmuls on CPU"). The graphs' kernels are called from C++ (cpp_wrapper), not from
-# a Python function: a round calls many small kernels. On CUDA it is torch.compile's mode of that name.
-CPU_AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                        "cpp_wrapper": True}
 DEFAULT_TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-target")
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-draft")
 INT64_MAX = 2**63 - 1
@@ -569,7 +563,7 @@ class Engine:
         # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
         #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
         # - the attention: eager CPU engines materialize the mask for SDPA (eager FlexAttention on the CPU runs a
-        #   vmapped math fallback); compiled CPU engines run our fp32 / bf16 kernel (tree_attn.load_cpu_kernel; fp16
+        #   vmapped math fallback); compiled CPU engines run our fp32 / bf16 kernel (cpu_backend.load_cpu_kernel; fp16
         #   FlexAttention), CUDA engines FlexAttention.
         # - the prefill: compiled on CUDA; eager on the CPU, where its chunks are large matmuls that MKL runs as well
         #   as a graph does, while its graph would take a third of the first call's compile (docs/compile.md,
@@ -606,16 +600,11 @@ class Engine:
             # Room for a few engines (settings, budgets) before dynamo falls back to eager.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             writable_inductor_cache()
-            if self.device.type == "cpu":
-                start_cpu_isa_probe()
-                t0 = time.perf_counter()
-                load_cpu_kernel()  # the rounds' attention, where it applies (tree_attn.cpu_kernel_applies)
-                self.build_seconds = time.perf_counter() - t0  # counted as compiling (warm_up)
+            if self.device.type == "cpu":  # CPU-only speed, behind one call (cpu_backend.py)
+                self.build_seconds = cpu_backend.prepare(target, drafter, frozen=compile == "max-autotune")
             if compile == "max-autotune" and self.device.type == "cpu":
-                for model in (target, drafter):
-                    if model is not None:
-                        prepack_linears(model)
-                self.round, self.compile_options = compile_frozen(self.round), CPU_AUTOTUNE_OPTIONS
+                self.round = cpu_backend.compile_frozen(self.round)
+                self.compile_options = cpu_backend.AUTOTUNE_OPTIONS
             else:  # CUDA graphs where available ("max-autotune" includes them)
                 mode = None if self.device.type == "cpu" else ("reduce-overhead" if compile is True else compile)
                 self.round = torch.compile(self.round, dynamic=False, fullgraph=True, mode=mode)
@@ -676,16 +665,6 @@ def writable_inductor_cache():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = fallback
 
 
-@functools.cache
-def start_cpu_isa_probe():
-    """Start inductor's probe of the CPU's vector ISAs in a thread, once per process. Inductor's first CPU kernel
-    waits for it: per ISA, a test compile and a child Python that loads it (torch 2.13: about 9 s on a fresh
-    inductor cache, 1.2 s on a warm one, on this 2-core machine). The probe runs in subprocesses, so here it
-    overlaps dynamo's tracing of the round instead of following it (docs/compile.md, "ISA probe")."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa  # cached: the compile reads the same answer
-    threading.Thread(target=pick_vec_isa, name="cpu-isa-probe", daemon=True).start()
-
-
 def call_compiled(fn, args: tuple, options: dict, check_guards: bool):
     """fn(*args), fn compiled (or eager: then both ways are a plain call). With check_guards, every guard is
     evaluated and `options` (inductor's, for a compile) are set: only such a call can compile. Without, only the
@@ -696,16 +675,6 @@ def call_compiled(fn, args: tuple, options: dict, check_guards: bool):
             return fn(*args)
     with torch._inductor.config.patch(options) if options else contextlib.nullcontext():
         return fn(*args)
-
-
-def compile_frozen(step):
-    """`step` compiled to run under CPU_AUTOTUNE_OPTIONS, its weights frozen into its graphs. It is compiled as a
-    closure: dynamo then reaches the weights through the closure, inlines them as constants and guards on this
-    engine's step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first call (and
-    at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze (torch
-    2.13): so a caller sets the options around each call that may compile (call_compiled), and nothing else in
-    the process sees them."""
-    return torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
 
 
 _ENGINES: dict = {}

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.nn.attention.flex_attention import flex_attention
 
-from tree_attn import cpu_attention, cpu_kernel_applies, flex_kernel_options, prefix_block_mask
+from cpu_backend import cpu_attention, cpu_kernel_applies
+from tree_attn import flex_kernel_options, prefix_block_mask
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -191,11 +192,11 @@ CPU_ONE_ROW_REDUCTION = True
 
 class Linear(nn.Linear):
     """nn.Linear without bias. Compiled on the CPU: one row as a fused reduction (see the switch above), and in
-    frozen graphs several rows through oneDNN on the prepacked weight when `prepack_linears` gave it one."""
+    frozen graphs several rows through oneDNN on the prepacked weight when `cpu_backend.prepack_linears` gave it one."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.packed = None  # the weight in oneDNN's blocked layout (prepack_linears); a plain attribute, not state
+        self.packed = None  # the weight in oneDNN's blocked layout (cpu_backend.prepack_linears); a plain attribute, not state
         self.packed_from = None  # (data_ptr, version) of the weight it was packed from
 
     def forward(self, x):
@@ -208,34 +209,6 @@ class Linear(nn.Linear):
                 out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed, None, "none", [], "")
                 return out.view(*x.shape[:-1], -1)
         return F.linear(x, self.weight)
-
-
-# Few-row matmuls of frozen CPU graphs (docs/compile.md, "Few-row matmuls on CPU"). Inductor lowers a frozen fp32
-# matmul to MKL's packed sgemm or its C++ GEMM template, whichever it measures faster, and both read the weights well
-# below memory bandwidth at 5-17 rows, while oneDNN on a prepacked weight reads them near it (bf16 weights already go
-# to oneDNN where the CPU has its bf16 instructions: prepack_dtypes). A weight prepacked outside the graph is a graph
-# constant under freezing, and inductor then autotunes oneDNN against its template for each shape. So
-# compile="max-autotune" engines on the CPU prepack their models' linears once (the packed copies are kept beside the
-# weights and reused by every engine while the weights are unchanged), and Linear uses them only inside frozen graphs.
-@functools.cache
-def prepack_dtypes() -> tuple:
-    """The weight dtypes oneDNN can prepack on this CPU, asked once per process: bf16 needs AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT, and without them the reorder fails (an AVX2-only EPYC here); such bf16 weights keep the matmul
-    inductor picks."""
-    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
-
-
-def prepack_linears(module: nn.Module):
-    """Give every Linear of `module` (on the CPU, in a dtype of prepack_dtypes()) its weight in oneDNN's blocked
-    layout, unless the copy it has was packed from the same, unchanged weight (a new copy would make other engines'
-    graphs recompile: dynamo guards on it)."""
-    for m in module.modules():
-        w = m.weight if isinstance(m, Linear) else None
-        if w is None or w.device.type != "cpu" or w.dtype not in prepack_dtypes():
-            continue
-        source = (w.data_ptr(), None if w.is_inference() else w._version)  # inference tensors keep no version
-        if m.packed is None or m.packed_from != source:
-            m.packed, m.packed_from = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), source
 
 
 # Layers compiled once (docs/compile.md, "Layers compiled once"). A model's layers run the same code on the same
@@ -306,7 +279,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         self.write_kv(x, cos, sin, cache_pos)
         scale, gqa = self.head_dim ** -0.5, self.heads != self.kv_heads
-        if cpu_kernel_applies(q, self.k_cache, mask):  # fp32 or bf16 on the CPU under a PrefixMask (tree_attn.py)
+        if cpu_kernel_applies(q, self.k_cache, mask):  # compiled CPU engines only (cpu_backend.py)
             return self.o_proj(cpu_attention(q, self.k_cache, self.v_cache, mask, scale).view(n, q_len, -1))
         if isinstance(mask, torch.Tensor):  # dense, over the KV slots it covers (tree_attn.PrefixMask, dense=True)
             kv = mask.shape[-1]

@@ -17,17 +17,9 @@ row, no mask_mod evaluated), the one or two after it are masked, the rest are no
 with dense=True (the engine's choice for eager CPU runs) hands its attention the same mask_mod evaluated densely,
 for SDPA, instead of the BlockMask.
 
-In compiled CPU engines, float32 attention under such a mask runs our own kernel (cpu_attention.cpp,
-`load_cpu_kernel`) rather than FlexAttention's CPU template, which is several times slower at the few rows of a
-round (docs/compile.md, "CPU attention kernel"); it reads `prefix` and `allow` directly.
+In compiled CPU engines, attention under such a mask runs our own kernel instead (cpu_backend.py, which a GPU
+reader can skip); it reads `prefix` and `allow` directly.
 """
-
-import functools
-import hashlib
-import os
-import subprocess
-import tempfile
-import warnings
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions
@@ -148,88 +140,6 @@ def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor
     q = torch.arange(q_len, device=device)[:, None]
     kv = torch.arange(kv_len, device=device)[None, :]
     return block_mask.mask_mod(b, 0, q, kv)
-
-
-KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
-KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes cpu_attention.cpp is instantiated for
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the element types it is instantiated for
-USE_CPU_KERNEL = True  # False: CPU attention under PrefixMasks stays FlexAttention (read while tracing)
-cpu_kernel_loaded = False  # set by load_cpu_kernel; read while tracing, so each graph is built for one or the other
-
-
-@functools.cache
-def load_cpu_kernel() -> bool:
-    """Build cpu_attention.cpp (once per machine: about 8 s, kept in inductor's cache directory) and load it, which
-    registers torch.ops.ddtree.tree_attention; returns whether it is loaded. Each CPU engine calls it once, before
-    its graphs are traced; from then on model.Attention runs the kernel wherever it applies (cpu_kernel_applies).
-    Where it cannot be built or loaded: one warning, and CPU engines run FlexAttention."""
-    global cpu_kernel_loaded
-    try:
-        torch.ops.load_library(build_cpu_kernel())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
-        warnings.warn(f"the CPU attention kernel could not be built, FlexAttention runs instead: {detail[-2000:]}")
-        return False
-    torch.library.register_fake("ddtree::tree_attention")(_tree_attention_shape)
-    cpu_kernel_loaded = True
-    return True
-
-
-def build_cpu_kernel() -> str:
-    """The shared library of cpu_attention.cpp, compiled if this source, torch and CPU have none yet."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    torch_dir = os.path.dirname(torch.__file__)
-    include, lib = os.path.join(torch_dir, "include"), os.path.join(torch_dir, "lib")
-    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{include}",
-             f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
-    compiler = os.environ.get("CXX", "g++")
-    with open(KERNEL_SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
-                                      cpu_flags()])).hexdigest()[:20]
-    out_dir = os.path.join(cache_dir(), "ddtree")
-    path = os.path.join(out_dir, f"cpu_attention_{key}.so")
-    if not os.path.exists(path):
-        os.makedirs(out_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # built aside, then renamed: concurrent runs are safe
-        os.close(fd)
-        try:
-            subprocess.run([compiler, KERNEL_SOURCE, "-o", tmp, *flags], check=True, capture_output=True, text=True)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    return path
-
-
-def cpu_flags() -> bytes:
-    """The CPU's feature flags (Linux), part of the kernel's cache key: it is built for the CPU it runs on."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        return b""
-
-
-def _tree_attention_shape(q, k_cache, v_cache, prefix, allow, scale):
-    n, heads, q_len, head_dim = q.shape
-    return q.new_empty(n, q_len, heads, head_dim)
-
-
-def cpu_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, mask) -> bool:
-    """Whether attention of q [N, H, Q, D] over this cache under `mask` runs the CPU kernel: float32 or bfloat16 on
-    the CPU, a PrefixMask's BlockMask, a head size it is built for, and the kernel loaded (load_cpu_kernel). Decided
-    from shapes and types alone, so once per compiled graph."""
-    return (cpu_kernel_loaded and USE_CPU_KERNEL and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
-            and k_cache.dtype == q.dtype and q.shape[-1] in KERNEL_HEAD_DIMS and hasattr(mask, "prefix_tensors"))
-
-
-def cpu_attention(q, k_cache, v_cache, mask, scale: float) -> torch.Tensor:
-    """The CPU kernel's attention of q [N, H, Q, D] over the caches [N, KVH, S, D] under a PrefixMask's BlockMask,
-    as [N, Q, H, D] (the layout the output projection reads)."""
-    prefix, allow = mask.prefix_tensors[4:]
-    return torch.ops.ddtree.tree_attention(q, k_cache, v_cache, prefix, allow, scale)
 
 
 def causal(n: int, device=None) -> torch.Tensor:

@@ -22,8 +22,9 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
 from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
                          save_checkpoint, stdlib_files, write_json_file)
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
-from ddtree import (CPU_AUTOTUNE_OPTIONS, Engine, Speculation, cache_length, call_compiled,  # noqa: E402
-                    compile_frozen, generate, generate_batch, run_requests)
+from cpu_backend import AUTOTUNE_OPTIONS, compile_frozen  # noqa: E402
+from ddtree import (Engine, Speculation, cache_length, call_compiled, generate, generate_batch,  # noqa: E402
+                    run_requests)
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
@@ -81,9 +82,9 @@ def save_random_pair(out_dir: str, hidden: int, layers: int, vocab: int = 4096) 
 
 def frozen_stage(f):
     """f compiled as a frozen engine compiles its round, and called as Engine.run_round calls it: the first call
-    (the compile) with every guard and CPU_AUTOTUNE_OPTIONS, the later ones skipping the guards."""
+    (the compile) with every guard and AUTOTUNE_OPTIONS, the later ones skipping the guards."""
     compiled, calls = compile_frozen(f), itertools.count()
-    return lambda *args: call_compiled(compiled, args, CPU_AUTOTUNE_OPTIONS, check_guards=next(calls) == 0)
+    return lambda *args: call_compiled(compiled, args, AUTOTUNE_OPTIONS, check_guards=next(calls) == 0)
 
 
 @torch.inference_mode()

@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ddtree  # noqa: E402
-import tree_attn  # noqa: E402
+import cpu_backend  # noqa: E402
 from checkpoints import (dflash_config, moe_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
                          save_checkpoint)
 from ddtree import finite_rows, generate, generate_batch  # noqa: E402
@@ -105,17 +105,17 @@ def load_pair(target_path: str, draft_path: str | None, device: str = "cpu"):
 def attention(kind: str):
     """kind 'dense': the engine as is (eager CPU engines materialize the mask for SDPA); 'flex': eager engines
     hand their layers the BlockMask, and eager FlexAttention runs (ddtree.EAGER_CPU_ATTENTION); 'kernel': the same
-    BlockMask through the CPU attention kernel that compiled CPU engines run (tree_attn.load_cpu_kernel)."""
-    saved = ddtree.EAGER_CPU_ATTENTION, tree_attn.USE_CPU_KERNEL
+    BlockMask through the CPU attention kernel that compiled CPU engines run (cpu_backend.load_cpu_kernel)."""
+    saved = ddtree.EAGER_CPU_ATTENTION, cpu_backend.USE_CPU_KERNEL
     ddtree.EAGER_CPU_ATTENTION = "sdpa" if kind == "dense" else "flex"
-    tree_attn.USE_CPU_KERNEL = kind == "kernel"
-    if kind == "kernel" and not tree_attn.load_cpu_kernel():
+    cpu_backend.USE_CPU_KERNEL = kind == "kernel"
+    if kind == "kernel" and not cpu_backend.load_cpu_kernel():
         raise SystemExit("error: --attention kernel: the CPU attention kernel could not be built (see the warning)")
     ddtree._ENGINES.clear()  # engines fix their attention when they are made
     try:
         yield
     finally:
-        ddtree.EAGER_CPU_ATTENTION, tree_attn.USE_CPU_KERNEL = saved
+        ddtree.EAGER_CPU_ATTENTION, cpu_backend.USE_CPU_KERNEL = saved
         ddtree._ENGINES.clear()
 
 

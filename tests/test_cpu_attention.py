@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import model
-import tree_attn
+import cpu_backend
 from draft_tree import ancestor_matrix, build_tree
-from tree_attn import PrefixMask, cpu_attention, load_cpu_kernel
+from cpu_backend import cpu_attention, load_cpu_kernel
+from tree_attn import PrefixMask
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,8 +59,8 @@ def case(n, kv_heads, group, head_dim, q_len, slots, seed, dtype=torch.float32):
 
 @settings(deadline=None, max_examples=40)
 @given(n=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
-       head_dim=st.sampled_from(tree_attn.KERNEL_HEAD_DIMS), q_len=st.integers(1, 20), blocks=st.integers(1, 3),
-       kind=st.sampled_from(["tree", "causal", "block"]), dtype=st.sampled_from(tree_attn.KERNEL_DTYPES),
+       head_dim=st.sampled_from(cpu_backend.KERNEL_HEAD_DIMS), q_len=st.integers(1, 20), blocks=st.integers(1, 3),
+       kind=st.sampled_from(["tree", "causal", "block"]), dtype=st.sampled_from(cpu_backend.KERNEL_DTYPES),
        seed=st.integers(0, 10**6), data=st.data())
 def test_kernel_equals_sdpa_with_the_explicit_mask(n, kv_heads, group, head_dim, q_len, blocks, kind, dtype, seed,
                                                    data):
@@ -126,7 +127,7 @@ def test_compiled_kernel_follows_the_mask_without_recompiles():
     assert not counters["recompiles"] and not counters["graph_break"]
 
 
-@pytest.mark.parametrize("dtype", tree_attn.KERNEL_DTYPES)
+@pytest.mark.parametrize("dtype", cpu_backend.KERNEL_DTYPES)
 def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
     attn = model.Attention(64, 4, 2, 64, 1e-6).to(dtype)
     model.allocate_kv_caches([SimpleNamespace(self_attn=attn)], 256, dtype, "cpu")
@@ -140,22 +141,22 @@ def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
     monkeypatch.setattr(model, "cpu_attention", lambda *a: calls.append(1) or cpu_attention(*a))
     with torch.inference_mode():
         ours = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
-        monkeypatch.setattr(tree_attn, "USE_CPU_KERNEL", False)
+        monkeypatch.setattr(cpu_backend, "USE_CPU_KERNEL", False)
         flex = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
     assert calls == [1] and ours.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: the two round at different steps
     torch.testing.assert_close(ours, flex, atol=tol, rtol=tol)
     # float64 is not the kernel's: FlexAttention
-    monkeypatch.setattr(tree_attn, "USE_CPU_KERNEL", True)
-    assert not tree_attn.cpu_kernel_applies(torch.zeros(1, 4, 5, 64, dtype=torch.float64), attn.k_cache, block_mask)
+    monkeypatch.setattr(cpu_backend, "USE_CPU_KERNEL", True)
+    assert not cpu_backend.cpu_kernel_applies(torch.zeros(1, 4, 5, 64, dtype=torch.float64), attn.k_cache, block_mask)
 
 
 def test_a_kernel_that_cannot_be_built_warns_once_and_flex_runs(tmp_path):
-    code = ("import warnings, tree_attn\n"
+    code = ("import warnings, cpu_backend\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
-            "    ok = tree_attn.load_cpu_kernel(); tree_attn.load_cpu_kernel()\n"
-            "print(ok, tree_attn.cpu_kernel_loaded, len(w), 'could not be built' in str(w[0].message))\n")
+            "    ok = cpu_backend.load_cpu_kernel(); cpu_backend.load_cpu_kernel()\n"
+            "print(ok, cpu_backend.cpu_kernel_loaded, len(w), 'could not be built' in str(w[0].message))\n")
     env = dict(os.environ, CXX="false", TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=120)

@@ -24,6 +24,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import cpu_backend
 import model as model_mod
 from model import Qwen3
 from scripts.checkpoints import layer_weights, qwen3_config, save_checkpoint
@@ -657,10 +658,10 @@ def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
     on this CPU, bf16 (elsewhere a bf16 Linear gets no copy and frozen graphs keep their own matmul)."""
     from torch._inductor.utils import run_and_get_code
     torch.manual_seed(0)
-    assert torch.float32 in model_mod.prepack_dtypes()  # fp32 weights are packed on every CPU
-    if torch.bfloat16 not in model_mod.prepack_dtypes():
+    assert torch.float32 in cpu_backend.prepack_dtypes()  # fp32 weights are packed on every CPU
+    if torch.bfloat16 not in cpu_backend.prepack_dtypes():
         lin = model_mod.Linear(96, 300).to(torch.bfloat16)
-        model_mod.prepack_linears(lin)
+        cpu_backend.prepack_linears(lin)
         assert lin.packed is None
         x = torch.randn(3, 96, dtype=torch.bfloat16)
         compiled = torch.compile(lambda t: lin(t), dynamic=False, fullgraph=True)
@@ -671,12 +672,12 @@ def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
                               atol=2e-2)
         torch._dynamo.reset()
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        if dtype not in model_mod.prepack_dtypes():
+        if dtype not in cpu_backend.prepack_dtypes():
             continue
         lin = model_mod.Linear(96, 300).to(dtype)
-        model_mod.prepack_linears(torch.nn.Sequential(lin))
+        cpu_backend.prepack_linears(torch.nn.Sequential(lin))
         packed = lin.packed
-        model_mod.prepack_linears(lin)
+        cpu_backend.prepack_linears(lin)
         assert lin.packed is packed
         for freezing, rows, onednn in ((True, 3, True), (True, 1, False), (False, 3, False)):
             x = torch.randn(rows, 2, 96, dtype=dtype)[:, 0]  # strided rows: the packed path reshapes them
@@ -690,7 +691,7 @@ def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
             torch._dynamo.reset()
         with torch.no_grad():
             lin.weight.mul_(2)
-        model_mod.prepack_linears(lin)
+        cpu_backend.prepack_linears(lin)
         x = torch.randn(4, 96, dtype=dtype)
         out = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
         assert lin.packed is not packed
@@ -698,7 +699,7 @@ def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
                               atol=tol)
     with torch.inference_mode():  # weights made in inference mode have no version counter: packed all the same
         lin = model_mod.Linear(8, 4)
-        model_mod.prepack_linears(lin)
+        cpu_backend.prepack_linears(lin)
     assert lin.packed is not None
 
 

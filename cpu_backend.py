@@ -1,0 +1,176 @@
+"""CPU-only speed, behind one seam: what a compiled CPU engine adds to the GPU path, and nothing a GPU run uses.
+A reader of the round can skip this file. The engine calls `prepare` once when it is built on a CPU with
+compile, and `compile_frozen` for compile="max-autotune"; model.Attention asks `cpu_kernel_applies`.
+
+- The attention kernel (cpu_attention.cpp): a round's few query rows under a PrefixMask, several times faster than
+  FlexAttention's CPU template at these sizes (docs/compile.md, "CPU attention kernel").
+- Frozen max-autotune graphs with oneDNN copies of the weights (docs/compile.md, "Few-row matmuls on CPU").
+- Inductor's ISA probe started early (docs/compile.md, "ISA probe").
+(model.Linear's one-row reduction stays in model.py: it is the module's forward.)
+"""
+
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+
+
+def prepare(target, drafter, frozen: bool) -> float:
+    """A compiled CPU engine's needs before its graphs are traced: the ISA probe started, the attention kernel
+    loaded, and for frozen graphs the linears prepacked. Returns the seconds spent building the kernel (counted as
+    compiling)."""
+    start_cpu_isa_probe()
+    t0 = time.perf_counter()
+    load_cpu_kernel()  # the rounds' attention, where it applies (cpu_kernel_applies)
+    seconds = time.perf_counter() - t0
+    if frozen:
+        for model in (target, drafter):
+            if model is not None:
+                prepack_linears(model)
+    return seconds
+
+
+# compile="max-autotune" on the CPU: the engine freezes its weights into its own graphs and lets inductor's autotuner
+# give each matmul its C++ GEMM template (weights prepacked, register-blocked for the row count) where that beats
+# aten's sgemm: the few rows of a draft or a small verify run ~3x faster, at the price of longer compiles
+# (docs/compile.md, "Few-row matmuls on CPU"). The graphs' kernels are called from C++ (cpp_wrapper), not from
+# a Python function: a round calls many small kernels. On CUDA it is torch.compile's mode of that name.
+AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                    "cpp_wrapper": True}
+
+
+def compile_frozen(step):
+    """`step` compiled to run under AUTOTUNE_OPTIONS, its weights frozen into its graphs. It is compiled as a
+    closure: dynamo then reaches the weights through the closure, inlines them as constants and guards on this
+    engine's step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first call (and
+    at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze (torch
+    2.13): so a caller sets the options around each call that may compile (ddtree.call_compiled), and nothing else in
+    the process sees them."""
+    return torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
+
+
+@functools.cache
+def start_cpu_isa_probe():
+    """Start inductor's probe of the CPU's vector ISAs in a thread, once per process. Inductor's first CPU kernel
+    waits for it: per ISA, a test compile and a child Python that loads it (torch 2.13: about 9 s on a fresh
+    inductor cache, 1.2 s on a warm one, on this 2-core machine). The probe runs in subprocesses, so here it
+    overlaps dynamo's tracing of the round instead of following it (docs/compile.md, "ISA probe")."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa  # cached: the compile reads the same answer
+    threading.Thread(target=pick_vec_isa, name="cpu-isa-probe", daemon=True).start()
+
+
+# Few-row matmuls of frozen CPU graphs (docs/compile.md, "Few-row matmuls on CPU"). Inductor lowers a frozen fp32
+# matmul to MKL's packed sgemm or its C++ GEMM template, whichever it measures faster, and both read the weights well
+# below memory bandwidth at 5-17 rows, while oneDNN on a prepacked weight reads them near it (bf16 weights already go
+# to oneDNN where the CPU has its bf16 instructions: prepack_dtypes). A weight prepacked outside the graph is a graph
+# constant under freezing, and inductor then autotunes oneDNN against its template for each shape. So
+# compile="max-autotune" engines on the CPU prepack their models' linears once (the packed copies are kept beside the
+# weights and reused by every engine while the weights are unchanged), and Linear uses them only inside frozen graphs.
+@functools.cache
+def prepack_dtypes() -> tuple:
+    """The weight dtypes oneDNN can prepack on this CPU, asked once per process: bf16 needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and without them the reorder fails (an AVX2-only EPYC here); such bf16 weights keep the matmul
+    inductor picks."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
+def prepack_linears(module: nn.Module):
+    """Give every Linear of `module` (on the CPU, in a dtype of prepack_dtypes()) its weight in oneDNN's blocked
+    layout, unless the copy it has was packed from the same, unchanged weight (a new copy would make other engines'
+    graphs recompile: dynamo guards on it)."""
+    for m in module.modules():
+        w = m.weight if hasattr(m, "packed_from") else None  # a model.Linear (model.py imports this file)
+        if w is None or w.device.type != "cpu" or w.dtype not in prepack_dtypes():
+            continue
+        source = (w.data_ptr(), None if w.is_inference() else w._version)  # inference tensors keep no version
+        if m.packed is None or m.packed_from != source:
+            m.packed, m.packed_from = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), source
+
+
+KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes cpu_attention.cpp is instantiated for
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the element types it is instantiated for
+USE_CPU_KERNEL = True  # False: CPU attention under PrefixMasks stays FlexAttention (read while tracing)
+cpu_kernel_loaded = False  # set by load_cpu_kernel; read while tracing, so each graph is built for one or the other
+
+
+@functools.cache
+def load_cpu_kernel() -> bool:
+    """Build cpu_attention.cpp (once per machine: about 8 s, kept in inductor's cache directory) and load it, which
+    registers torch.ops.ddtree.tree_attention; returns whether it is loaded. Each CPU engine calls it once, before
+    its graphs are traced; from then on model.Attention runs the kernel wherever it applies (cpu_kernel_applies).
+    Where it cannot be built or loaded: one warning, and CPU engines run FlexAttention."""
+    global cpu_kernel_loaded
+    try:
+        torch.ops.load_library(build_cpu_kernel())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        warnings.warn(f"the CPU attention kernel could not be built, FlexAttention runs instead: {detail[-2000:]}")
+        return False
+    torch.library.register_fake("ddtree::tree_attention")(_tree_attention_shape)
+    cpu_kernel_loaded = True
+    return True
+
+
+def build_cpu_kernel() -> str:
+    """The shared library of cpu_attention.cpp, compiled if this source, torch and CPU have none yet."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    torch_dir = os.path.dirname(torch.__file__)
+    include, lib = os.path.join(torch_dir, "include"), os.path.join(torch_dir, "lib")
+    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{include}",
+             f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+    compiler = os.environ.get("CXX", "g++")
+    with open(KERNEL_SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
+                                      cpu_flags()])).hexdigest()[:20]
+    out_dir = os.path.join(cache_dir(), "ddtree")
+    path = os.path.join(out_dir, f"cpu_attention_{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # built aside, then renamed: concurrent runs are safe
+        os.close(fd)
+        try:
+            subprocess.run([compiler, KERNEL_SOURCE, "-o", tmp, *flags], check=True, capture_output=True, text=True)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return path
+
+
+def cpu_flags() -> bytes:
+    """The CPU's feature flags (Linux), part of the kernel's cache key: it is built for the CPU it runs on."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+def _tree_attention_shape(q, k_cache, v_cache, prefix, allow, scale):
+    n, heads, q_len, head_dim = q.shape
+    return q.new_empty(n, q_len, heads, head_dim)
+
+
+def cpu_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, mask) -> bool:
+    """Whether attention of q [N, H, Q, D] over this cache under `mask` runs the CPU kernel: float32 or bfloat16 on
+    the CPU, a PrefixMask's BlockMask, a head size it is built for, and the kernel loaded (load_cpu_kernel). Decided
+    from shapes and types alone, so once per compiled graph."""
+    return (cpu_kernel_loaded and USE_CPU_KERNEL and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
+            and k_cache.dtype == q.dtype and q.shape[-1] in KERNEL_HEAD_DIMS and hasattr(mask, "prefix_tensors"))
+
+
+def cpu_attention(q, k_cache, v_cache, mask, scale: float) -> torch.Tensor:
+    """The CPU kernel's attention of q [N, H, Q, D] over the caches [N, KVH, S, D] under a PrefixMask's BlockMask,
+    as [N, Q, H, D] (the layout the output projection reads)."""
+    prefix, allow = mask.prefix_tensors[4:]
+    return torch.ops.ddtree.tree_attention(q, k_cache, v_cache, prefix, allow, scale)
