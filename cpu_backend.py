@@ -49,10 +49,10 @@ AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_b
 def compile_frozen(step):
     """`step` compiled to run under AUTOTUNE_OPTIONS, its weights frozen into its graphs. It is compiled as a
     closure: dynamo then reaches the weights through the closure, inlines them as constants and guards on this
-    engine's step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first call (and
-    at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze (torch
-    2.13): so a caller sets the options around each call that may compile (ddtree.call_compiled), and nothing else in
-    the process sees them."""
+    engine's step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first
+    call (and at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze
+    (torch 2.13): so a caller sets the options around each call that may compile (ddtree.call_compiled), and
+    nothing else in the process sees them."""
     return torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
 
 

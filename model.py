@@ -196,7 +196,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.packed = None  # the weight in oneDNN's blocked layout (cpu_backend.prepack_linears); a plain attribute, not state
+        self.packed = None  # the weight in oneDNN's layout (cpu_backend.prepack_linears); an attribute, not state
         self.packed_from = None  # (data_ptr, version) of the weight it was packed from
 
     def forward(self, x):

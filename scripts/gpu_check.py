@@ -1,5 +1,6 @@
-"""One-call GPU check, sized for a 9-minute device run on an H200; every section guarded, so one call answers
-everything it reaches whatever fails inside it.
+"""One-call GPU check, sized for a 9-minute device run on an H200, every section guarded.
+
+One call answers everything it reaches, whatever fails inside it.
 
     python scripts/gpu_check.py --json out/gpu_check.json                 # on the GPU machine
     python scripts/gpu_check.py --device cpu --small --eager --json PATH   # the script itself, on a CPU (a test)
