@@ -92,11 +92,11 @@ def compiled_equals_eager(run, cases, mode=True):
 
 
 def cli(*args):
-    """ddtree.main on a command line, in-process: (exit status, stdout, stderr)."""
-    import ddtree
+    """The command line (cli.main) in-process: (exit status, stdout, stderr)."""
+    import cli
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = ddtree.main(list(args))
+        code = cli.main(list(args))
     return code, out.getvalue(), err.getvalue()
 
 

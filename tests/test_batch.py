@@ -243,7 +243,8 @@ def test_each_request_is_reported_as_soon_as_it_ends(pair):
 def test_prompts_file_lines_come_as_requests_end_and_ctrl_c_keeps_them(tmp_path, monkeypatch, one_thread):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\ufeff" + "\n".join(json.dumps(f"def f{i}(x):") for i in range(4)) + "\n", encoding="utf-8")
-    batch = ddtree.generate_batch
+    import cli as command_line
+    batch = command_line.generate_batch
 
     def interrupted(*args, on_result, **kwargs):  # Ctrl-C after the second request has ended
         def report(i, res):
@@ -254,7 +255,7 @@ def test_prompts_file_lines_come_as_requests_end_and_ctrl_c_keeps_them(tmp_path,
         return batch(*args, on_result=report, **kwargs)
 
     reported = []
-    monkeypatch.setattr(ddtree, "generate_batch", interrupted)
+    monkeypatch.setattr(command_line, "generate_batch", interrupted)
     code, out, err = cli("--prompts-file", str(path), "--batch-size", "4", "--max-new-tokens", "6", "--no-chat",
                          "--budget", "8")
     lines = [json.loads(line) for line in out.splitlines()]

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import cli as command_line
 import ddtree
 from conftest import compiled_equals_eager
 from ddtree import generate
@@ -116,7 +117,7 @@ def checkpoint(tmp_path_factory):
 
 
 def cli(capsys, *args):
-    code = ddtree.main(list(args))
+    code = command_line.main(list(args))
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -560,14 +560,17 @@ def test_ctrl_c_keeps_the_text_and_exits_130():
 def test_ctrl_c_in_process_prints_what_was_committed(monkeypatch, capsys):
     calls = []
 
-    def interrupt_on_third_call(self, ids, original=ddtree.Streamer.__call__):
+    from text import Streamer
+    import cli as command_line
+
+    def interrupt_on_third_call(self, ids, original=Streamer.__call__):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
         original(self, ids)
 
-    monkeypatch.setattr(ddtree.Streamer, "__call__", interrupt_on_third_call)
-    code = ddtree.main(["--prompt", "def f(x):", "--method", "ar", "--no-chat", "--max-new-tokens", "50"])
+    monkeypatch.setattr(Streamer, "__call__", interrupt_on_third_call)
+    code = command_line.main(["--prompt", "def f(x):", "--method", "ar", "--no-chat", "--max-new-tokens", "50"])
     out, err = capsys.readouterr()
     assert code == 130 and "[ar] interrupted after 2 tokens" in err and "Traceback" not in err
     assert len(out) > 1  # the two tokens (here whitespace) and the closing newline

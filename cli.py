@@ -1,0 +1,301 @@
+"""The command line of `python ddtree.py`: flags to generate()'s settings, text in and out, one `error:` line for
+bad input, Ctrl-C and closed pipes handled. The engine never imports this file."""
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import warnings
+
+from budget import AUTO_BUDGETS
+from ddtree import (DEFAULT_BUDGET, DEFAULT_DRAFT, DEFAULT_TARGET, METHODS, check_applies, check_int, generate,
+                    generate_batch)
+from draft_tree import format_tree
+from drafter import DFlashDrafter
+from model import Qwen3
+from sampler import Sampling
+from text import Streamer, Text
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="DDTree speculative decoding with a Qwen3 target and a DFlash drafter.",
+        epilog="An option that does not apply to the chosen method (e.g. --budget with --method dflash, --top-k "
+               "with greedy decoding) is an error, not ignored; --seed is accepted everywhere.")
+
+    def error(message):  # argparse's own errors end as ours do: one `error:` line, exit 2 (not usage + message)
+        raise ValueError(f"{message} (see --help)")
+
+    p.error = error
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt")
+    source.add_argument("--prompts-file", help="many requests, run as batches: one JSON string or object "
+                                               "({\"prompt\": ..., \"seed\": ...}) per line; one JSON line out per "
+                                               "request")
+    p.add_argument("--batch-size", default=None, help="with --prompts-file: requests run together (default 16)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="Qwen3 checkpoint: local directory or hub repo id")
+    p.add_argument("--draft", default=None, help="DFlash drafter: local directory or hub repo id (dflash, ddtree; "
+                                                 "default: the bundled tiny drafter)")
+    p.add_argument("--method", default="ddtree", choices=METHODS)
+    p.add_argument("--budget", default=None, help=f"tree nodes per round (ddtree; default {DEFAULT_BUDGET}), or "
+                                                  "'auto': the fastest of plain decoding, the chain and trees of "
+                                                  f"{', '.join(map(str, AUTO_BUDGETS))} nodes, measured on this "
+                                                  "device")
+    p.add_argument("--max-new-tokens", default="256")
+    p.add_argument("--temperature", default="0", help="0 (default) = greedy")
+    p.add_argument("--top-k", default=None, help="sampling: keep the k most probable tokens")
+    p.add_argument("--top-p", default=None, help="sampling: keep the smallest set of mass >= p")
+    p.add_argument("--min-p", default=None, help="sampling: drop tokens below p x the top probability")
+    p.add_argument("--seed", default=None)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the checkpoint's chat template (default: on when it has one)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--max-autotune", action="store_true",
+                   help="compile with autotuned matmuls (CPU: frozen weights, C++ GEMM templates; longer compile)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--draft-temperature", default=None,
+                   help="ddtree: temperature of the drafter's distributions when building trees (default 1, as in "
+                        "the paper)")
+    p.add_argument("--draft-sampling", action="store_true", default=None,
+                   help="dflash with sampling: sample the chain from the draft law and verify with min(1, p/q)")
+    p.add_argument("--denoise-steps", default=None, help="dflash, ddtree: drafter passes per round (default 1)")
+    p.add_argument("--show-tree", action="store_true", default=None,
+                   help="dflash, ddtree: print the first round's tree with accepted marks")
+    return p.parse_args(argv)
+
+
+def as_int(name: str, text: str | None) -> int | None:
+    try:
+        return None if text is None else int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+
+
+def as_float(name: str, text: str | None) -> float | None:
+    try:
+        return None if text is None else float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+
+
+def settings_from_args(args) -> dict:
+    """generate()'s keyword arguments from the command line: the options given, as numbers, checked to apply."""
+    budget = args.budget if args.budget == "auto" else as_int("--budget", args.budget)
+    values = dict(budget=budget, max_new_tokens=as_int("--max-new-tokens", args.max_new_tokens),
+                  temperature=as_float("--temperature", args.temperature),
+                  top_k=as_int("--top-k", args.top_k), top_p=as_float("--top-p", args.top_p),
+                  min_p=as_float("--min-p", args.min_p), seed=as_int("--seed", args.seed),
+                  draft_temperature=as_float("--draft-temperature", args.draft_temperature),
+                  denoise_steps=as_int("--denoise-steps", args.denoise_steps),
+                  draft_sampling=args.draft_sampling, show_tree=args.show_tree)
+    given = {k: v for k, v in values.items() if v is not None}
+    flags = set(given) | ({"draft"} if args.draft is not None else set())
+    Sampling(given["temperature"], given.get("top_k", 0), given.get("top_p", 1.0), given.get("min_p", 0.0))
+    check_applies(args.method, given["temperature"] == 0, sorted(flags), spell=lambda n: "--" + n.replace("_", "-"))
+    return given
+
+
+def compile_mode(args) -> bool | str:
+    if args.max_autotune and args.compile is False:
+        raise ValueError("--max-autotune compiles: it cannot go with --no-compile")
+    return "max-autotune" if args.max_autotune else bool(args.compile)
+
+
+def run_cli(args) -> int:
+    settings = settings_from_args(args)  # before loading anything
+    compile_mode(args)
+    requests = read_prompts_file(args.prompts_file) if args.prompts_file else [(check_text(args.prompt), None)]
+    if args.batch_size is not None and not args.prompts_file:
+        raise ValueError("--batch-size goes with --prompts-file")
+    target = Qwen3.from_pretrained(args.target, device=args.device, dtype=args.dtype)
+    text = Text(target.path)
+    chat = args.chat if args.chat is not None else bool(text.chat_template)
+    if chat and not text.chat_template:
+        raise ValueError(f"{args.target}: --chat asked for, but the checkpoint has no chat template")
+    prompts = [text.encode(text.render_chat(prompt) if chat else prompt) for prompt, _ in requests]
+    if not all(prompts):
+        raise ValueError("the prompt is empty")
+    drafter = None
+    if args.method != "ar":
+        drafter = DFlashDrafter.from_pretrained(args.draft or DEFAULT_DRAFT, device=target.device,
+                                                dtype=target.dtype)
+    if args.prompts_file:
+        return run_batch(args, target, drafter, text, prompts, [seed for _, seed in requests], settings)
+    streamer = Streamer(text, None if args.json else sys.stdout)
+    try:
+        res = generate(target, drafter, prompts[0], method=args.method, compile=compile_mode(args),
+                       on_tokens=streamer, **settings)
+    except KeyboardInterrupt:
+        # What was committed stays printed; the summary says where it stopped. 130 = 128 + SIGINT, as shells do.
+        if args.json:
+            print(json.dumps(dict(text=text.decode(streamer.ids), tokens=streamer.ids, interrupted=True)))
+        else:
+            print()
+        print(f"[{args.method}] interrupted after {len(streamer.ids)} tokens", file=sys.stderr)
+        return 130
+    if args.show_tree and res.trees:
+        tokens, parents, depths, path, length = res.trees[0]
+        print(f"\nround 1 tree ({args.method}, {int((parents >= 0).sum())} nodes; ✓ accepted):", file=sys.stderr)
+        print(format_tree(tokens, parents, accepted_rows=path[:length], decode=lambda t: repr(text.decode([t])),
+                          root=repr(text.decode(res.tokens[:1]))),
+              file=sys.stderr)
+    s = res.stats
+    if args.json:
+        print(json.dumps(dict(text=text.decode(res.tokens), tokens=res.tokens, stats=s)))
+    else:
+        print()
+        compiled = f" (+{s['compile_seconds']:.1f} s {warm_up_label(args)})" if s["compile_seconds"] else ""
+        templated = "; the prompt went through the chat template (--no-chat: as written)" if chat else ""
+        print(f"[{s['method']}] {s['new_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
+              f"{s['tokens_per_s']:.1f} tokens/s{compiled}{templated}", file=sys.stderr)
+        if "auto" in s:
+            print(auto_summary(s["auto"]), file=sys.stderr)
+    return 0
+
+
+def auto_summary(a: dict) -> str:
+    """Budget auto's line under the CLI summary: what ran, the estimates, probing and calibration."""
+    ran = ", ".join(f"{c} x{n}" for c, n in a["rounds_per_candidate"].items())
+    rates = ", ".join(f"{c} {v['tokens_per_s']:.0f}" for c, v in a["candidates"].items()
+                      if v["tokens_per_s"] is not None)
+    calibration = f"calibrated in {a['calibrate_seconds']:.1f} s" if a["calibrated_now"] else "calibration"
+    return (f"auto: best {a['choice']}; rounds run: {ran}; estimated tokens/s per request: {rates}; "
+            f"{a['probe_rounds']} probe rounds ({a['probe_overhead_seconds'] * 1e3:+.0f} ms against the best); "
+            f"{calibration} in {a['cost_file']}")
+
+
+def run_batch(args, target, drafter, text, prompts, seeds, settings) -> int:
+    """--prompts-file: every request through generate_batch; one JSON line per request (with its index) as soon as
+    it ends; a summary line on stderr. --seed S gives request i the seed S + i unless its line has its own."""
+    base = settings.pop("seed", None)
+    seeds = [s if s is not None else (None if base is None else base + i) for i, s in enumerate(seeds)]
+    batch = as_int("--batch-size", args.batch_size) if args.batch_size is not None else 16
+    check_int("--batch-size", batch, 1)
+    t0 = time.perf_counter()
+    done = []
+
+    def print_line(i, res):  # as each request ends: Ctrl-C later keeps every line printed so far
+        print(json.dumps(dict(index=i, text=text.decode(res.tokens), tokens=res.tokens, stats=res.stats)),
+              flush=True)
+        done.append(i)
+
+    try:
+        results = generate_batch(target, drafter, prompts, method=args.method, compile=compile_mode(args),
+                                 seeds=seeds, max_batch=batch, on_result=print_line, **settings)
+    except KeyboardInterrupt:
+        print(f"[{args.method}] interrupted after {len(done)} of {len(prompts)} requests", file=sys.stderr)
+        return 130
+    seconds = time.perf_counter() - t0
+    total = sum(len(r.tokens) for r in results)
+    # compile_seconds grows as a batch runs (a smaller engine's first warm-up): its last request's is the batch's
+    compiling = sum(max(r.stats["compile_seconds"] for r in results[i:i + batch])
+                    for i in range(0, len(results), batch))
+    print(f"[{args.method}] {len(results)} requests in batches of up to {batch}: {total} tokens, "
+          f"{total / max(seconds - compiling, 1e-9):.1f} tokens/s" +
+          (f" (+{compiling:.1f} s {warm_up_label(args)})" if compiling else ""), file=sys.stderr)
+    if settings.get("budget") == "auto":  # one line per batch: each batch chooses on its own
+        for i in range(0, len(results), batch):
+            last = max(results[i:i + batch], key=lambda r: len(r.stats["auto"]["schedule"]))  # the final report
+            print(auto_summary(last.stats["auto"]), file=sys.stderr)
+    return 0
+
+
+def warm_up_label(args) -> str:
+    """What a run's time before its first round went to: compiling its engines, and for budget auto, timing
+    its candidates."""
+    compiling = compile_mode(args) is not False
+    if args.budget == "auto":
+        return "compiling and calibrating" if compiling else "calibrating"
+    return "compiling"
+
+
+def check_text(prompt: str) -> str:
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the prompt is not valid UTF-8 text") from None
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    return prompt
+
+
+def read_prompts_file(path: str) -> list[tuple[str, int | None]]:
+    """(prompt, seed or None) per non-blank line of a --prompts-file: a JSON string, or an object with "prompt"
+    and optionally "seed"."""
+    requests = []
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark, as some editors write, is not text
+        try:
+            lines = f.read().splitlines()
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from None
+        if isinstance(item, str):
+            item = {"prompt": item}
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or \
+                set(item) - {"prompt", "seed"}:
+            raise ValueError(f'{where}: expected a JSON string or an object {{"prompt": str, "seed": int}}')
+        seed = item.get("seed")
+        if seed is not None:
+            check_int(f"{where}: seed", seed, 0)
+        try:
+            requests.append((check_text(item["prompt"]), seed))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    if not requests:
+        raise ValueError(f"{path}: no prompts")
+    return requests
+
+
+def main(argv=None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is a KeyboardInterrupt from here on
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = print_warning
+            args = parse_args(argv)
+            return run_cli(args)
+    except (ValueError, TypeError, OSError) as e:
+        if isinstance(e, BrokenPipeError):
+            return closed_pipe()
+        print(f"error: {in_flags(str(e))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # while loading
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# The API's parameter names that are CLI flags of another spelling: the command line speaks in flags.
+FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "max_new_tokens", "top_k", "top_p", "min_p", "temperature", "budget", "draft_temperature", "draft_sampling",
+    "denoise_steps", "show_tree", "seed")} | {"max_batch": "--batch-size"}
+
+
+def in_flags(message: str) -> str:
+    """An error from the Python API as the command line says it: its parameter names as flags."""
+    return re.sub(r"(?<![\w-])(" + "|".join(FLAGS) + r")\b", lambda m: FLAGS[m[1]], message)
+
+
+def print_warning(message, category, filename, lineno, file=None, line=None):
+    """The command line's warnings: one `warning:` line each, as its errors are one `error:` line."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def closed_pipe() -> int:
+    """The reader of stdout went away (`| head`): stop quietly. Output still buffered would fail again when
+    Python flushes at exit, so stdout now points at /dev/null. 141 = 128 + SIGPIPE, as a shell reports it."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
