@@ -48,7 +48,8 @@ import model  # noqa: E402
 from budget import AutoBudget  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from model import Qwen3, Qwen3Config, SparseMoE, grouped_mm_supported, rope_inv_freq  # noqa: E402
+from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
+from moe import SparseMoE, grouped_mm_supported  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from tree_attn import PrefixMask, flex_kernel_options  # noqa: E402
 

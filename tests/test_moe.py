@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from conftest import compiled_equals_eager
 from ddtree import generate
 from drafter import DFlashDrafter
-from model import Qwen3, SparseMoE
+from model import Qwen3
+from moe import SparseMoE
 from tree_attn import PrefixMask, causal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,7 +240,7 @@ def test_train_drafter_runs_on_a_moe_target(tmp_path):
 
 def test_expert_path_follows_the_compute_capability(monkeypatch):
     # torch._grouped_mm's fast path is sm90 / sm100 only; elsewhere it syncs with the host and breaks capture.
-    from model import device_capability, expert_path
+    from moe import device_capability, expert_path
     cuda = torch.device("cuda")
     for capability, want in (((8, 0), "gathered"), ((8, 9), "gathered"), ((9, 0), "grouped"), ((10, 0), "grouped"),
                              ((12, 0), "gathered")):
@@ -254,7 +255,7 @@ def test_expert_path_follows_the_compute_capability(monkeypatch):
 def test_pairs_are_combined_in_a_fixed_order_in_float32():
     # Pair outputs sorted by expert go back to their rows and each row's top-k are summed in float32, k in order:
     # the bits of a bf16 sum cannot depend on the order atomics arrive in.
-    from model import combine_pairs
+    from moe import combine_pairs
     g = torch.Generator().manual_seed(0)
     rows, top_k, hidden = 37, 8, 64
     pair_out = (torch.randn(rows * top_k, hidden, generator=g) * 3).bfloat16()

@@ -1,0 +1,108 @@
+"""The sparse MoE MLP of Qwen3-MoE targets (Qwen3-Coder-30B-A3B and kin): routing, and three ways for rows to meet
+their experts, chosen per compiled graph from shapes and the device alone."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's MLP: a router picks num_experts_per_tok SwiGLU experts per row (softmax in float32, top-k,
+    optionally renormalized), and the row's output is their routing-weighted sum. The experts' weights are stacked,
+    one [experts, out, in] tensor per projection (the loader fills them expert by expert from the per-expert
+    tensors of the checkpoint).
+
+    How rows meet their experts depends only on shapes, so it is fixed per compiled graph:
+    - grouped GEMM (torch._grouped_mm: bf16 on CUDA sm90 / sm100): the (row, expert) pairs sorted by expert, two grouped
+      matmuls over the stacked weights; no weight is copied, each touched expert is read once;
+    - few pairs (rows x top-k <= experts: a decode step, a small verify): each pair's expert weights gathered, so
+      only the chosen experts are read;
+    - otherwise (a large verify or prefill on the CPU): every expert over every row, weighted by the routing
+      (zero where not chosen): each expert read once, at experts / top-k times the arithmetic of the pairs.
+    """
+
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        from model import Linear  # (model.py imports this file)
+        self.gate = Linear(hidden, experts)  # the router
+        self.experts = nn.Module()
+        self.experts.gate_proj = nn.Parameter(torch.empty(experts, inter, hidden))
+        self.experts.up_proj = nn.Parameter(torch.empty(experts, inter, hidden))
+        self.experts.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def route(self, x):
+        """(expert ids [R, top_k], weights [R, top_k] in x's dtype), as Qwen3-MoE routes."""
+        probs = self.gate(x).float().softmax(-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x):
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])  # rows of any leading shape (training runs batches)
+        ids, weights = self.route(x)
+        path = expert_path(x.device.type, x.dtype, device_capability(x.device), x.shape[0] * self.top_k,
+                           self.experts.gate_proj.shape[0])
+        return getattr(self, path)(x, ids, weights).view(shape)
+
+    def gathered(self, x, ids, weights):
+        e = self.experts
+        flat = ids.reshape(-1)
+        xr = x.repeat_interleave(self.top_k, dim=0)  # [R * k, H], pair j = (row j // k, its j % k-th expert)
+        h = F.silu(torch.einsum("ph,pih->pi", xr, e.gate_proj[flat])) * torch.einsum("ph,pih->pi", xr, e.up_proj[flat])
+        out = torch.einsum("pi,phi->ph", h, e.down_proj[flat]) * weights.reshape(-1, 1)
+        return out.view(x.shape[0], self.top_k, -1).float().sum(1).to(x.dtype)
+
+    def all_experts(self, x, ids, weights):
+        e = self.experts
+        h = F.silu(torch.einsum("rh,eih->rei", x, e.gate_proj)) * torch.einsum("rh,eih->rei", x, e.up_proj)
+        out = torch.einsum("rei,ehi->reh", h, e.down_proj)  # [R, experts, H]
+        dense_weights = torch.zeros(out.shape[:2], dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+        return (out * dense_weights[..., None]).sum(1)
+
+    def grouped(self, x, ids, weights):
+        e = self.experts
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs grouped by expert
+        rows = order // self.top_k
+        counts = torch.zeros(e.gate_proj.shape[0], dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        xs = x[rows]
+        h = F.silu(torch._grouped_mm(xs, e.gate_proj.transpose(1, 2), offs=offs)) * \
+            torch._grouped_mm(xs, e.up_proj.transpose(1, 2), offs=offs)
+        out = torch._grouped_mm(h, e.down_proj.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
+        return combine_pairs(out, order, x.shape[0], self.top_k).to(x.dtype)
+
+
+def combine_pairs(out, order, rows: int, top_k: int):
+    """Row sums [rows, H] (float32) of pair outputs sorted by expert (out [rows * top_k, H], order: the sort):
+    the pairs go back to row order, then each row's top_k are summed in a fixed order, in float32. An index_add_
+    into the rows would sum them with atomics on CUDA, in whatever order the threads arrive: bits that change
+    from run to run."""
+    pairs = torch.empty_like(out)
+    pairs[order] = out  # a permutation: every slot written once
+    return pairs.view(rows, top_k, -1).float().sum(1)
+
+
+def expert_path(device_type: str, dtype, capability, pairs: int, experts: int) -> str:
+    """Which SparseMoE path serves a forward of `pairs` (row, expert) pairs. torch._grouped_mm in bf16 on CUDA
+    has its fast kernels on sm90 and sm100 only; elsewhere (an A100: sm80) it loops over the groups with a
+    device-to-host sync, which breaks CUDA graph capture (pytorch/pytorch#186620). Then, and off CUDA, few pairs
+    gather their experts' weights and many run every expert."""
+    if hasattr(torch, "_grouped_mm") and device_type == "cuda" and dtype == torch.bfloat16 and \
+            capability is not None and capability[0] in (9, 10):
+        return "grouped"
+    return "gathered" if pairs <= experts else "all_experts"
+
+
+@torch.compiler.assume_constant_result
+def device_capability(device) -> tuple | None:
+    """A CUDA device's compute capability (None off CUDA), a constant inside compiled graphs."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
+def grouped_mm_supported(x) -> bool:
+    """Whether SparseMoE takes the grouped-GEMM path for rows like x (expert_path)."""
+    return expert_path(x.device.type, x.dtype, device_capability(x.device), 1, 0) == "grouped"
