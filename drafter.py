@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, load_weights,
-                   parse_device, parse_dtype, read_json, resolve_checkpoint, rope_cos_sin, rope_inv_freq, run_layer)
+from loading import load_weights, parse_device, parse_dtype, read_json, resolve_checkpoint
+from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, rope_cos_sin,
+                   rope_inv_freq, run_layer)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -5,7 +5,7 @@ import json
 import os
 import time
 
-from model import read_json
+from loading import read_json
 
 
 class Text:

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import cpu_backend
+import loading
 import model as model_mod
 from model import Qwen3
 from scripts.checkpoints import layer_weights, qwen3_config, save_checkpoint
@@ -512,11 +513,11 @@ def test_error_hub_repo_offline(monkeypatch, tmp_path):
 def test_load_converts_one_tensor_at_a_time(ckpt, monkeypatch):
     """Structural: every fp32 tensor read from the file is dead before the next one is read, and none survives.
 
-    Tied to the loader reading through `model.safe_open(...).get_tensor`; the call count keeps this honest (if
+    Tied to the loader reading through `loading.safe_open(...).get_tensor`; the call count keeps this honest (if
     the loader stops using get_tensor, this test fails loudly instead of passing vacuously).
     """
     path, _ = ckpt("gqa2")
-    real_safe_open = model_mod.safe_open
+    real_safe_open = loading.safe_open
     handed_out = []   # weakrefs to every tensor get_tensor returned
     most_alive = [0]  # the most of them alive when the next one was requested
 
@@ -541,7 +542,7 @@ def test_load_converts_one_tensor_at_a_time(ckpt, monkeypatch):
             handed_out.append(weakref.ref(t))
             return t
 
-    monkeypatch.setattr(model_mod, "safe_open", Spy)
+    monkeypatch.setattr(loading, "safe_open", Spy)
     m = Qwen3.from_pretrained(path, device="cpu", dtype=torch.bfloat16)
     assert len(handed_out) == len(file_keys(path))
     # <= 1: the previous tensor may still be bound to a local name until the next assignment replaces it.

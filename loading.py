@@ -1,0 +1,264 @@
+"""Loading: checkpoint files (a local directory, or a Hub repo fetched once), config.json read and checked field by
+field, safetensors weights streamed one tensor at a time into the requested dtype and device. Nothing here builds
+a module: model.py and drafter.py call in."""
+
+import json
+import os
+import re
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+
+
+def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) -> dict:
+    """Qwen3Config's fields from a config.json dict (transformers v4 and v5 layouts, dense or MoE): every field that
+    changes the computation is read or refused (docs/checkpoints.md lists them), every value type-checked."""
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    sizes = {k: positive(where, d, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                  "num_hidden_layers", "num_attention_heads")}
+    heads = sizes["num_attention_heads"]
+    kv_heads = positive(where, d, "num_key_value_heads", default=heads) if d.get("num_key_value_heads") else heads
+    if d.get("head_dim") is not None:
+        positive(where, d, "head_dim")
+    elif sizes["hidden_size"] % heads:
+        raise ValueError(f"{where}: no head_dim, and hidden_size={sizes['hidden_size']} is not a multiple of "
+                         f"num_attention_heads={heads}")
+    if "tie_word_embeddings" in d and not isinstance(d["tie_word_embeddings"], bool):
+        raise ValueError(f"{where}: tie_word_embeddings must be true or false, got {d['tie_word_embeddings']!r}")
+    if heads % kv_heads:
+        raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    rope = d.get("rope_parameters") or {}  # v5
+    scaling = d.get("rope_scaling") or {}  # v4
+    if not isinstance(rope, dict) or not isinstance(scaling, dict):
+        raise ValueError(f"{where}: rope_parameters and rope_scaling must be JSON objects")
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"{where}: rope scaling type {rope_type!r} is not supported (only plain RoPE)")
+    theta = rope.get("rope_theta", d.get("rope_theta"))
+    if theta is None:
+        raise ValueError(f"{where}: no rope_theta (neither rope_theta nor rope_parameters.rope_theta)")
+    theta = positive(where, {"rope_theta": theta}, "rope_theta", float)
+    eps = positive(where, d, "rms_norm_eps", float, default=1e-6)
+    max_positions = positive(where, d, "max_position_embeddings", default=32768)
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+    if d.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias=true is not supported (Qwen3 has no attention biases)")
+    if d.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias=true is not supported (Qwen3 has no MLP biases)")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":  # every MLP here (and the drafter's) is SiLU-gated, as Qwen3's
+        raise ValueError(f"{where}: hidden_act={act!r} is not supported (only 'silu', Qwen3's)")
+    kinds = d.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or set(kinds) - {"full_attention"}):
+        raise ValueError(f"{where}: layer_types other than full_attention are not supported "
+                         f"(got {sorted(set(map(str, kinds))) if isinstance(kinds, list) else kinds!r})")
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial != 1:
+        raise ValueError(f"{where}: partial_rotary_factor={partial!r} is not supported (Qwen3 ropes every "
+                         f"dimension)")
+    if moe is None:
+        moe = d.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (d.get("architectures") or [])
+    return dict(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=eps, rope_theta=theta,
+        max_position_embeddings=max_positions, tie_word_embeddings=d.get("tie_word_embeddings", False),
+        **(moe_fields(d, where) if moe else {}))
+
+
+def moe_fields(d: dict, where: str) -> dict:
+    """The Qwen3-MoE fields of a config: transformers 4.x writes num_experts, 5.x num_local_experts."""
+    key = "num_experts" if "num_experts" in d else "num_local_experts"
+    experts = positive(where, d, key)
+    top_k = positive(where, d, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} exceeds {key}={experts}")
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ValueError(f"{where}: mlp_only_layers must be a list of layer indices, got {only!r}")
+    if not isinstance(d.get("norm_topk_prob", False), bool):
+        raise ValueError(f"{where}: norm_topk_prob must be true or false, got {d['norm_topk_prob']!r}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=positive(where, d, "moe_intermediate_size"),
+                norm_topk_prob=d.get("norm_topk_prob", False),
+                decoder_sparse_step=positive(where, d, "decoder_sparse_step", default=1),
+                mlp_only_layers=tuple(only))
+
+
+def positive(where: str, d: dict, key: str, kind=int, default=None):
+    """d[key] (or `default` when absent) checked to be a positive `kind` (int, or float where ints are fine too)."""
+    value = d.get(key, default)
+    ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    if not ok or not value > 0 or value == float("inf"):
+        raise ValueError(f"{where}: {key} must be a positive {'integer' if kind is int else 'number'}, "
+                         f"got {value!r}")
+    return kind(value)
+
+
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
+
+
+def resolve_checkpoint(path_or_repo: str, what: str = "checkpoint") -> str:
+    """A local directory, or a Hugging Face repo id fetched (config, weights, tokenizer only) into the cache."""
+    if os.path.isdir(path_or_repo):
+        if not os.path.isfile(os.path.join(path_or_repo, "config.json")):
+            raise ValueError(f"{what} directory {path_or_repo!r} has no config.json")
+        return path_or_repo
+    looks_like_repo = path_or_repo.count("/") == 1 and not path_or_repo.startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise ValueError(f"{what} {path_or_repo!r}: no such directory (and not a Hugging Face repo id 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path_or_repo, allow_patterns=HUB_FILES)
+    except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user
+        raise ValueError(f"{what} {path_or_repo!r}: not a local directory and could not be fetched from the "
+                         f"Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def read_json(path: str) -> dict:
+    """A JSON object from `path`; anything else (invalid JSON, not UTF-8, an array...) is an error naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def parse_dtype(dtype, device) -> torch.dtype:
+    """bf16 on CUDA and fp32 elsewhere unless asked; accepts floating torch dtypes and their names."""
+    if dtype is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype {dtype} is not a floating-point type; use float32, bfloat16 or float16")
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return names[dtype]
+
+
+def parse_device(device) -> torch.device:
+    """CUDA when available, else the CPU, unless asked; a device that cannot hold weights here is an error."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+        if device.type == "meta":
+            raise RuntimeError("the meta device holds no data")
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, TypeError) as e:
+        raise ValueError(f"device {str(device)!r} is not usable here ({str(e).splitlines()[0]})") from None
+    return device
+
+
+def check_qwen3_config(d: dict, where: str):
+    model_type, archs = d.get("model_type"), d.get("architectures") or []
+    if model_type not in ("qwen3", "qwen3_moe") and not {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(archs):
+        raise ValueError(f"{where}: not a Qwen3 checkpoint (model_type={model_type!r}, architectures={archs})")
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: no weight_map of tensor names to shard files")
+        shards = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
+        for shard in shards:
+            if not os.path.isfile(shard):
+                raise ValueError(f"{path}: model.safetensors.index.json lists {os.path.basename(shard)}, which is missing")
+        return shards
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors is loaded)")
+
+
+def load_weights(model: nn.Module, path: str, strip_prefix: str, device, dtype, skip=frozenset()):
+    """Stream every tensor from the safetensors files straight into `dtype` on `device`.
+
+    The model was built on the meta device, so the only host copies are one tensor at a time: an 8B bf16
+    checkpoint never materializes in fp32. A MoE checkpoint's per-expert tensors are copied into their slice of
+    the stacked expert weights as they are read (no second copy). Missing or unexpected tensors are errors, not
+    silent random weights.
+    """
+    wanted = {name: p for name, p in model.named_parameters()}
+    wanted.update((name, b) for name, b in model.named_buffers() if name != "inv_freq")
+    loaded, experts_read = {}, {}
+    for file in safetensors_files(path):
+        for key, t in read_tensors(file):
+            name = key[len(strip_prefix):] if key.startswith(strip_prefix) else key
+            if name in skip or name.endswith("rotary_emb.inv_freq"):
+                continue
+            expert = EXPERT_TENSOR.match(name)
+            if expert:  # layers.{i}.mlp.experts.{e}.{proj}.weight -> slice e of layers.{i}.mlp.experts.{proj}
+                name, index = f"{expert[1]}.{expert[3]}", int(expert[2])
+            if name not in wanted:
+                raise ValueError(f"{file}: unexpected tensor {key!r} (is this the right kind of checkpoint?)")
+            shape = tuple(wanted[name].shape[1:] if expert else wanted[name].shape)
+            if expert and index >= wanted[name].shape[0]:
+                raise ValueError(f"{file}: tensor {key!r} names expert {index}, config.json has "
+                                 f"{wanted[name].shape[0]} experts")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies {shape}")
+            if not t.is_floating_point():
+                raise ValueError(f"{file}: tensor {key!r} holds {t.dtype}, not floating-point weights")
+            if expert:
+                if name not in loaded:
+                    loaded[name] = torch.empty(wanted[name].shape, device=device, dtype=dtype)
+                    experts_read[name] = set()
+                loaded[name][index].copy_(t)
+                experts_read[name].add(index)
+            else:
+                loaded[name] = t.to(device=device, dtype=dtype)
+            del t
+    for name, read in experts_read.items():
+        absent = sorted(set(range(wanted[name].shape[0])) - read)
+        if absent:
+            raise ValueError(f"{path}: checkpoint lacks experts {absent[:8]} of {name} "
+                             f"({len(absent)} of {wanted[name].shape[0]})")
+    missing = sorted(set(wanted) - set(loaded) - set(skip))
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    # (remove_duplicate=False: a tied lm_head still points at the meta tensor until the caller re-ties it)
+    if any(p.is_meta for n, p in model.named_parameters(remove_duplicate=False) if n not in skip):
+        raise ValueError(f"{path}: some weights were not loaded")
+
+
+EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def read_tensors(file: str):
+    """(name, tensor) pairs of one safetensors file, one tensor at a time; a file that is not valid safetensors
+    (truncated, empty, a corrupt header) is an error naming it."""
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+
+
+def eos_ids_of(path: str, config: dict) -> list[int]:
+    """End-of-sequence ids: generation_config.json first (Qwen3 lists <|im_end|> and <|endoftext|>), then config."""
+    ids = []
+    for source in (os.path.join(path, "generation_config.json"), None):
+        d = read_json(source) if source and os.path.isfile(source) else (config if source is None else {})
+        eos = d.get("eos_token_id")
+        eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
+            raise ValueError(f"{source or os.path.join(path, 'config.json')}: eos_token_id must be a token id or a "
+                             f"list of them, got {d.get('eos_token_id')!r}")
+        ids += eos
+    return list(dict.fromkeys(ids))
