@@ -1,5 +1,5 @@
 """Peak memory of one request at the paper's budget over Qwen3's vocabulary, greedy beside sampled: a random
-2-layer target of vocabulary 151,936 (hidden 64) and a block-16 drafter, eager on the CPU, B = 512, 4 new tokens,
+2-layer target of vocabulary 151,936 (hidden 64, benchlib.save_random_pair) and a block-16 drafter, eager on the CPU, B = 512, 4 new tokens,
 sampled with temperature 1 and top-p 0.95. Each case runs in a fresh process; its cost is the growth of the
 process's peak resident set (ru_maxrss) over what loading the pair took. --all-rows warps and samples every
 verified row at once (sampler.ROW_CHUNK_ELEMENTS unbounded), as the engine did before sampling went by chunks.
@@ -20,14 +20,6 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 VOCAB = 151936
-
-
-def write_pair(root):
-    from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint
-    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16)
-    save_checkpoint(os.path.join(root, "target"), tc, random_qwen3_weights(tc))
-    dc = dflash_config(tc, layers=1, block_size=16, target_layer_ids=[0, 1])
-    save_checkpoint(os.path.join(root, "draft"), dc, random_dflash_weights(dc))
 
 
 def peak_mb():
@@ -62,7 +54,8 @@ def main():
         return one_case(a.case[0], a.case[1] == "1", a.case[2] == "1")
     out = {}
     with tempfile.TemporaryDirectory() as root:
-        write_pair(root)
+        from benchlib import save_random_pair
+        save_random_pair(root, hidden=64, layers=2, vocab=VOCAB, block_size=16)
         for name, sampled, all_rows in (("greedy", 0, 0), ("sampled", 1, 0), ("sampled, all rows at once", 1, 1)):
             line = subprocess.run([sys.executable, __file__, "--case", root, str(sampled), str(all_rows)],
                                   capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]

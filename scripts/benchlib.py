@@ -70,12 +70,12 @@ def save_random_target(path, vocab, hidden, layers) -> dict:
     return tc
 
 
-def save_random_pair(out_dir: str, hidden: int, layers: int, vocab: int = 4096) -> tuple:
+def save_random_pair(out_dir: str, hidden: int, layers: int, vocab: int = 4096, block_size: int = 8) -> tuple:
     """A random target of `hidden` x `layers` (save_random_target) and a random one-layer DFlash drafter for it
-    (block 8, reading target layers 1 and layers - 2), written under out_dir; returns their two paths."""
+    (block 8 by default, reading target layers 1 and layers - 2), written under out_dir; returns their two paths."""
     target, draft = os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
     tc = save_random_target(target, vocab, hidden, layers)
-    dc = dflash_config(tc, layers=1, block_size=8, target_layer_ids=[1, max(1, layers - 2)])
+    dc = dflash_config(tc, layers=1, block_size=block_size, target_layer_ids=[1, max(1, layers - 2)])
     save_checkpoint(draft, dc, random_dflash_weights(dc))
     return target, draft
 

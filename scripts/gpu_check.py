@@ -51,6 +51,7 @@ from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
 from moe import SparseMoE, grouped_mm_supported  # noqa: E402
 from sampler import Sampling  # noqa: E402
+from draft_tree import ancestor_matrix  # noqa: E402
 from tree_attn import PrefixMask, flex_kernel_options  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -188,14 +189,9 @@ def flex_case(device, dtype, g, q_len, kv_len, dim, options, write, compile=True
     worst = 0.0
     for prefix in (0, 130, kv_len - q_len - 1):
         gen = torch.Generator().manual_seed(q_len + prefix)
-        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q_len)]
-        anc = torch.zeros(q_len, q_len, dtype=torch.bool)
-        for i in range(q_len):  # ancestor-or-self rows of a random tree, written out
-            j = i
-            while j >= 0:
-                anc[i, j] = True
-                j = parents[j]
-        anc = anc.to(device)
+        # a random tree: row i (node i - 1) hangs under a row drawn from those before it
+        parents = (torch.rand(q_len - 1, generator=gen) * torch.arange(1, q_len)).long()
+        anc = ancestor_matrix(parents).to(device)
         mask.set(prefix, anc)
         q = torch.randn(1, heads, q_len, dim, device=device, dtype=dtype)
         k, v = (torch.randn(1, kv_heads, kv_len, dim, device=device, dtype=dtype) for _ in range(2))
