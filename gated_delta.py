@@ -1,0 +1,227 @@
+"""Gated DeltaNet math for verifying a draft tree: the short convolution and the gated delta rule, over a chain
+(prefill, decode) and over a tree (one verify pass), as pure functions. docs/recurrent_tree.md derives them.
+
+The rule, per head, on a state S [Dk, Dv], for each token t in order (the semantics of transformers'
+torch_recurrent_gated_delta_rule, which the tests compare against):
+
+    S     = exp(g_t) * S                     g_t <= 0 is the log decay
+    delta = beta_t * (v_t - S^T k_t)         the correction the state still lacks for key k_t
+    S     = S + k_t delta^T
+    o_t   = S^T q_t                          read AFTER the update: a token sees its own write
+
+q and k come in already prepared: `normalize_qk` does what transformers does inside its rules with
+use_qk_l2norm_in_kernel=True (l2norm both, then scale q by Dk ** -0.5). Every function here computes in the
+dtype it is given (transformers upcasts to float32 inside; a caller in bf16 should do the same).
+
+Shapes (N requests first; H value heads, q and k already repeated to H by the caller; T tokens or R = B + 1 tree
+rows: row 0 the root, the last committed token not yet run; rows 1..B the drafts in topological order):
+    q, k [N, T, H, Dk]   v [N, T, H, Dv]   g, beta [N, T, H]   state [N, H, Dk, Dv]
+    conv input x [N, T, C]   conv weight [C, K]   conv state [N, C, K - 1] (the last K - 1 inputs, oldest first)
+
+Every function is fixed-shape and free of host reads and data-dependent Python branches, so it traces whole
+under torch.compile(fullgraph=True).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim: the FLA convention transformers follows (eps inside the root)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def normalize_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q and k every rule below expects: both l2-normalized, q also scaled by 1 / sqrt(Dk). Done once outside
+    the rules so that chain, tree and commit all see the very same vectors."""
+    return l2norm(q) * q.shape[-1] ** -0.5, l2norm(k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The short causal convolution (depthwise, kernel K, SiLU), over the concatenated q/k/v projection.
+
+
+def _extended(x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """[N, K - 1 + T, C]: the committed inputs then the new ones, one time axis, so that the old state is just
+    positions 0 .. K - 2 and new input t is position K - 1 + t."""
+    return torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], 1)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor):
+    """Depthwise causal conv + SiLU of T new inputs continuing from conv_state -> (out [N, T, C], new state).
+
+    out_t = silu(sum_j weight[:, j] * input_{t - (K - 1) + j}): weight[:, K - 1] multiplies the current input, as
+    in torch's conv1d. A prefill is the call from a zero state; a decode step is T = 1. The new state is the last
+    K - 1 inputs of [old state, x], which reaches into the old state when T < K - 1."""
+    K = weight.shape[-1]
+    T = x.shape[1]
+    ext = _extended(x, conv_state)
+    acc = sum(weight[:, j] * ext[:, j:j + T] for j in range(K))
+    return F.silu(acc), ext[:, T:].transpose(1, 2)
+
+
+def _tree_pointers(parents: torch.Tensor, K: int) -> torch.Tensor:
+    """Parent pointers on the extended axis of `_extended` [N, K - 1 + R]: row i's parent p is K - 1 + p; the
+    root's predecessor is the newest committed input (K - 2); a committed input's is the one before it. A padded
+    row (-1) hangs off the committed state like the root does: the same start as the recurrence gives it, so it
+    is an ordinary, finite one-node path that no other row reads."""
+    N = parents.shape[0]
+    up_nodes = torch.where(parents < 0, torch.full_like(parents, K - 2), parents + (K - 1))
+    up_root = torch.full((N, 1), K - 2, dtype=parents.dtype, device=parents.device)
+    up_state = (torch.arange(K - 1, device=parents.device) - 1).clamp(min=0).expand(N, K - 1)
+    return torch.cat([up_state.to(parents.dtype), up_root, up_nodes], 1)
+
+
+def tree_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, parents: torch.Tensor):
+    """The causal conv of every tree row along its own root-to-row path -> out [N, R, C].
+
+    x [N, R, C] (R = B + 1, row 0 the root), parents [N, B] (or [B]) as draft_tree gives them. Row i reads its
+    ancestors at distance 1 .. K - 1 by chasing parent pointers K - 1 times (fixed count, one gather each), and
+    the committed inputs once the chase passes the root; so siblings never see each other, and a chain gives
+    causal_conv's output."""
+    if parents.dim() == 1:
+        parents = parents.expand(x.shape[0], -1)
+    K = weight.shape[-1]
+    R, C = x.shape[1], x.shape[2]
+    ext = _extended(x, conv_state)
+    idx = torch.arange(K - 1, K - 1 + R, device=x.device).expand(x.shape[0], R)
+    acc = weight[:, K - 1] * x
+    if K > 1:
+        up = _tree_pointers(parents, K)
+        for d in range(1, K):
+            idx = up.gather(1, idx)
+            acc = acc + weight[:, K - 1 - d] * ext.gather(1, idx.unsqueeze(-1).expand(-1, -1, C))
+    return F.silu(acc)
+
+
+def conv_state_along(x: torch.Tensor, conv_state: torch.Tensor, path: torch.Tensor, length: torch.Tensor):
+    """The conv state after committing an accepted path -> [N, C, K - 1].
+
+    path [N, L] (rows, path[:, 0] = 0 the root, entries past `length` ignored), length [N] (>= 1, counts the
+    root). The new state is the last K - 1 inputs of [old state, x[path[0]], ..., x[path[length - 1]]]: state
+    column c is path position p = length - (K - 1) + c when p >= 0, else the old column K - 1 + p."""
+    K = conv_state.shape[-1] + 1
+    N, L = path.shape
+    C = x.shape[-1]
+    ext = _extended(x, conv_state)
+    p = length.unsqueeze(1) - (K - 1) + torch.arange(K - 1, device=x.device)  # [N, K - 1]
+    from_path = path.gather(1, p.clamp(0, L - 1)) + (K - 1)
+    idx = torch.where(p >= 0, from_path, p + (K - 1))
+    return ext.gather(1, idx.unsqueeze(-1).expand(-1, -1, C)).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The gated delta rule.
+
+
+def recurrent_gated_delta(q, k, v, g, beta, state):
+    """The rule one token at a time -> (out [N, T, H, Dv], new state): the reference every other form equals,
+    and the decode path (T = 1)."""
+    outs = []
+    S = state
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[..., None, None]
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhkv,nhk->nhv", S, k[:, t]))
+        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("nhkv,nhk->nhv", S, q[:, t]))
+    return torch.stack(outs, 1) if outs else v.new_zeros(v.shape), S
+
+
+def _decays(G: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """exp(G_i - G_j) where mask[i, j], else 0. G [N, H, R], mask [N, R, R] -> [N, H, R, R]. Masked to -inf
+    BEFORE the exp: for a non-ancestor j, G_i - G_j can be large and positive, and its exp would overflow."""
+    diff = G.unsqueeze(-1) - G.unsqueeze(-2)
+    return diff.masked_fill(~mask.unsqueeze(1), float("-inf")).exp()
+
+
+def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """(I + A)^{-1} rhs for A strictly lower triangular (rows in topological order, so an ancestor's index is
+    smaller). Forward substitution (triangular solve, LAPACK trtrs / cuBLAS trsm): exact in the sense that it
+    performs the recurrence's own dependency order, needs no pivoting (unit diagonal) and no inverse."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    return torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+
+
+def tree_gated_delta(q, k, v, g, beta, state, anc):
+    """Every row of a tree through the rule along its own root-to-row path, in one shot -> (out, u, G).
+
+    q, k [N, R, H, Dk], v [N, R, H, Dv], g, beta [N, R, H], state [N, H, Dk, Dv] (the committed state),
+    anc [N, R, R] (or [R, R]; bool or uint8) from draft_tree.ancestor_matrix: anc[i, j] = j is i or an ancestor.
+
+    Along a path the state after row i is S_i = exp(G_i) S0 + sum_{j <= i on the path} exp(G_i - G_j) k_j u_j^T,
+    G_i the decays summed over the path up to and including i, and u_j the delta row j writes. u_j depends only on
+    j's ancestors, so one u per row serves every path through it, and no per-row state is ever formed:
+        (I + A) u = beta * (v - exp(G) k S0),  A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j), j a strict ancestor
+        out_i = exp(G_i) q_i S0 + sum_{j ancestor or i} (q_i . k_j) exp(G_i - G_j) u_j
+    Memory: [N, H, R, R] for the masks and dots, [N, R, H, Dv] for u; never R states of Dk x Dv.
+    Returns out [N, R, H, Dv], u [N, R, H, Dv], G [N, R, H] (u and G are what commit_state needs)."""
+    if anc.dim() == 2:
+        anc = anc.expand(q.shape[0], -1, -1)
+    anc = anc.bool()
+    R = anc.shape[-1]
+    strict = anc & ~torch.eye(R, dtype=torch.bool, device=anc.device)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [N, H, R, D]
+    G = torch.einsum("nij,njh->nhi", anc.to(g.dtype), g)  # [N, H, R]
+    bh = beta.transpose(1, 2).unsqueeze(-1)  # [N, H, R, 1]
+    kk = kh @ kh.transpose(-1, -2)
+    A = bh * kk * _decays(G, strict)
+    rhs = bh * (vh - G.exp().unsqueeze(-1) * (kh @ state))
+    u = _solve_unit_lower(A, rhs)
+    attn = (qh @ kh.transpose(-1, -2)) * _decays(G, anc)
+    out = G.exp().unsqueeze(-1) * (qh @ state) + attn @ u
+    return out.transpose(1, 2), u.transpose(1, 2), G.transpose(1, 2)
+
+
+def commit_state(state, k, u, G, mask):
+    """The state after the accepted path whose last row is r -> [N, H, Dk, Dv].
+
+    mask [N, R] is anc[n, r] (the path's rows: r and its ancestors); k, u, G as tree_gated_delta took and gave
+    them. S = exp(G_r) S0 + sum_{j in mask} exp(G_r - G_j) k_j u_j^T. r is the largest row in the mask (rows are
+    topological), found with a max, not a host read."""
+    mask = mask.bool()
+    R = mask.shape[-1]
+    r = (mask * torch.arange(R, device=mask.device)).amax(-1)  # [N]
+    G_r = G.gather(1, r[:, None, None].expand(-1, 1, G.shape[-1]))  # [N, 1, H]
+    w = (G_r - G).masked_fill(~mask.unsqueeze(-1), float("-inf")).exp()  # [N, R, H]
+    write = torch.einsum("nrh,nrhk,nrhv->nhkv", w, k, u)
+    return G_r[:, 0].exp()[..., None, None] * state + write
+
+
+def chunk_gated_delta(q, k, v, g, beta, state, chunk: int = 64):
+    """The rule over T tokens in chunks (the WY / UT form) -> (out [N, T, H, Dv], new state).
+
+    Each chunk is the tree form with the causal mask: a chain is the tree whose ancestors are all earlier rows.
+    The chunk-local solves are done for all chunks at once, split into the part that needs the incoming state
+    and the part that does not: u = W - Kc S with W = (I + A)^{-1} beta v and Kc = (I + A)^{-1} beta exp(G) k;
+    then a scan over chunks carries S. T is padded to a multiple of `chunk` with beta = 0 and g = 0 rows, which
+    write nothing and decay nothing."""
+    N, T, H, Dk = q.shape
+    pad = (-T) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    M = (T + pad) // chunk
+
+    def chunks(x):  # [N, T, H, ...] -> [N, M, H, chunk, ...]
+        return x.reshape(N, M, chunk, H, *x.shape[3:]).transpose(2, 3)
+
+    qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, g, beta))
+    G = gc.cumsum(-1)  # [N, M, H, chunk]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    diff = G.unsqueeze(-1) - G.unsqueeze(-2)
+    decay = diff.masked_fill(~causal, float("-inf")).exp()
+    strict_decay = diff.masked_fill(~causal.tril(-1), float("-inf")).exp()
+    b = bc.unsqueeze(-1)
+    A = b * (kc @ kc.transpose(-1, -2)) * strict_decay
+    W = _solve_unit_lower(A, b * vc)
+    Kc = _solve_unit_lower(A, b * G.exp().unsqueeze(-1) * kc)
+    attn = (qc @ kc.transpose(-1, -2)) * decay
+    q_dec = qc * G.exp().unsqueeze(-1)
+    k_to_end = kc * (G[..., -1:] - G).exp().unsqueeze(-1)
+    S = state
+    outs = []
+    for m in range(M):
+        u = W[:, m] - Kc[:, m] @ S
+        outs.append(q_dec[:, m] @ S + attn[:, m] @ u)
+        S = G[:, m, :, -1].exp()[..., None, None] * S + k_to_end[:, m].transpose(-1, -2) @ u
+    out = torch.stack(outs, 1).transpose(2, 3).reshape(N, M * chunk, H, -1)[:, :T]
+    return out, S

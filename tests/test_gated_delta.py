@@ -1,0 +1,227 @@
+"""gated_delta.py: every tree row equals the sequential rule (and conv) run along its own root-to-row path from the
+committed state; the chunked and recurrent forms equal transformers' torch reference; the tree verify and the
+commit compile whole."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import draft_tree
+import gated_delta as gd
+
+K = 4  # Qwen3.5's linear_conv_kernel_dim
+
+
+def make_inputs(N, R, H, Dk, Dv, C, seed, dtype=torch.float64, decay=2.0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    q, k = gd.normalize_qk(rn(N, R, H, Dk), rn(N, R, H, Dk))
+    v = rn(N, R, H, Dv)
+    g = (-decay * torch.rand(N, R, H, generator=gen, dtype=torch.float64)).to(dtype)
+    beta = torch.rand(N, R, H, generator=gen, dtype=torch.float64).to(dtype)
+    state = rn(N, H, Dk, Dv)
+    x = rn(N, R, C)
+    weight = rn(C, K)
+    conv_state = rn(N, C, K - 1)
+    return q, k, v, g, beta, state, x, weight, conv_state
+
+
+def path_to(parents, i):
+    """Rows from the root to row i (a padded row: itself alone, started from the committed state)."""
+    if i > 0 and parents[i - 1] < 0:
+        return [i]
+    rows = [i]
+    while rows[-1] != 0:
+        rows.append(int(parents[rows[-1] - 1]))
+    return rows[::-1]
+
+
+def random_parents(gen, N, B, pad):
+    par = torch.full((N, B), -1, dtype=torch.long)
+    for n in range(N):
+        for i in range(B - pad):
+            par[n, i] = int(torch.randint(0, i + 1, (1,), generator=gen))
+    return par
+
+
+def check_tree(parents, N, H, Dk, Dv, C, seed, dtype=torch.float64, tol=1e-10, decay=2.0):
+    """Tree outputs, commit and conv state for every row vs. the sequential forms along its path; returns the max
+    difference seen."""
+    B = parents.shape[1]
+    R = B + 1
+    q, k, v, g, beta, state, x, weight, conv_state = make_inputs(N, R, H, Dk, Dv, C, seed, dtype, decay)
+    anc = draft_tree.ancestor_matrix(parents)
+    out, u, G = gd.tree_gated_delta(q, k, v, g, beta, state, anc)
+    cout = gd.tree_conv(x, weight, conv_state, parents)
+    worst = 0.0
+    for i in range(R):
+        for n in range(N):
+            p = torch.tensor(path_to(parents[n], i))
+            sel = lambda t: t[n:n + 1, p]
+            ref_out, ref_S = gd.recurrent_gated_delta(sel(q), sel(k), sel(v), sel(g), sel(beta), state[n:n + 1])
+            ref_conv, ref_cs = gd.causal_conv(sel(x), weight, conv_state[n:n + 1])
+            worst = max(worst, (out[n, i] - ref_out[0, -1]).abs().max().item(),
+                        (cout[n, i] - ref_conv[0, -1]).abs().max().item())
+            if i == 0 or parents[n, i - 1] >= 0:  # a real row ends an acceptable path
+                S = gd.commit_state(state[n:n + 1], k[n:n + 1], u[n:n + 1], G[n:n + 1], anc[n:n + 1, i])
+                path = torch.zeros(1, R + 2, dtype=torch.long)
+                path[0, :len(p)] = p
+                cs = gd.conv_state_along(x[n:n + 1], conv_state[n:n + 1], path, torch.tensor([len(p)]))
+                worst = max(worst, (S - ref_S).abs().max().item(), (cs - ref_cs).abs().max().item())
+    assert all(t.isfinite().all() for t in (out, u, G, cout))
+    assert worst < tol, worst
+    return worst
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(0, 12), pad_frac=st.floats(0, 0.5), N=st.integers(1, 2), H=st.integers(1, 2),
+       Dk=st.integers(1, 4), Dv=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+def test_tree_equals_sequential_along_each_path(B, pad_frac, N, H, Dk, Dv, seed):
+    gen = torch.Generator().manual_seed(seed)
+    parents = random_parents(gen, N, B, int(B * pad_frac))
+    check_tree(parents, N, H, Dk, Dv, 3, seed)
+
+
+@pytest.mark.parametrize("shape", ["star", "chain", "root_only", "all_padded", "wide"])
+def test_tree_edge_shapes(shape):
+    B = {"star": 9, "chain": 9, "root_only": 0, "all_padded": 5, "wide": 64}[shape]
+    if shape == "star":
+        parents = torch.zeros(2, B, dtype=torch.long)
+    elif shape == "chain":
+        parents = torch.arange(B).expand(2, B).clone()
+    elif shape == "all_padded":
+        parents = torch.full((2, B), -1, dtype=torch.long)
+    else:
+        parents = random_parents(torch.Generator().manual_seed(1), 2, B, B // 8)
+    check_tree(parents, 2, 2, 3, 2, 2, seed=B)
+
+
+def test_chain_tree_equals_chunk_and_unbatched_parents():
+    """A chain through the tree form equals the chunked prefill from the same state; a [B] parents (one tree for
+    every request) is the batch of identical trees."""
+    N, B, H = 2, 10, 2
+    q, k, v, g, beta, state, x, weight, conv_state = make_inputs(N, B + 1, H, 3, 2, 4, seed=5)
+    parents = torch.arange(B)
+    out, _, _ = gd.tree_gated_delta(q, k, v, g, beta, state, draft_tree.ancestor_matrix(parents))
+    ref, _ = gd.chunk_gated_delta(q, k, v, g, beta, state, chunk=4)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(gd.tree_conv(x, weight, conv_state, parents),
+                               gd.causal_conv(x, weight, conv_state)[0], rtol=0, atol=1e-12)
+
+
+def test_float32_tree_and_strong_decay():
+    """float32 within 1e-4 of the float64 recurrence, with decays of up to -60 a step: exp(G_i - G_j) for a
+    non-ancestor j would overflow float32 (e^{+700}) if it were formed before the mask."""
+    gen = torch.Generator().manual_seed(3)
+    parents = random_parents(gen, 2, 20, 3)
+    q, k, v, g, beta, state, x, weight, conv_state = make_inputs(2, 21, 2, 4, 3, 2, seed=3, decay=60.0)
+    anc = draft_tree.ancestor_matrix(parents)
+    f = lambda *t: [a.float() for a in t]
+    out, u, G = gd.tree_gated_delta(*f(q, k, v, g, beta, state), anc)
+    ref, _, _ = gd.tree_gated_delta(q, k, v, g, beta, state, anc)
+    assert out.isfinite().all() and u.isfinite().all()
+    assert (out.double() - ref).abs().max() < 1e-4
+    check_tree(parents, 2, 2, 4, 3, 2, seed=3, dtype=torch.float32, tol=1e-4, decay=60.0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("T,chunk", [(1, 4), (13, 4), (37, 16), (70, 64)])
+def test_chunk_equals_recurrent(T, chunk, dtype, tol):
+    q, k, v, g, beta, state, *_ = make_inputs(2, T, 3, 5, 4, 1, seed=T, dtype=dtype)
+    out, S = gd.chunk_gated_delta(q, k, v, g, beta, state, chunk=chunk)
+    ref, ref_S = gd.recurrent_gated_delta(q, k, v, g, beta, state)
+    assert (out - ref).abs().max() < tol and (S - ref_S).abs().max() < tol
+
+
+@pytest.mark.parametrize("T", [1, 2, 7])
+def test_causal_conv_splits(T):
+    """Prefill from a zero state then steps equals one pass; the state after T < K - 1 keeps old columns."""
+    *_, x, weight, conv_state = make_inputs(2, T + 5, 1, 1, 1, 6, seed=T)
+    full, full_state = gd.causal_conv(x, weight, conv_state)
+    a, s = gd.causal_conv(x[:, :T], weight, conv_state)
+    b, s = gd.causal_conv(x[:, T:], weight, s)
+    torch.testing.assert_close(torch.cat([a, b], 1), full, rtol=0, atol=1e-13)
+    torch.testing.assert_close(s, full_state, rtol=0, atol=0)
+
+
+# --- transformers' torch reference (imported here only: the engine never imports transformers) ---
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    return m
+
+
+@pytest.mark.parametrize("use_l2", [True, False])
+@pytest.mark.parametrize("T", [1, 5, 70])
+def test_rules_equal_transformers(hf, T, use_l2):
+    """float32 (transformers upcasts to it): q/k raw into theirs, normalize_qk'ed (or only scaled) into ours."""
+    gen = torch.Generator().manual_seed(T)
+    N, Hk, Hv, Dk, Dv = 2, 2, 4, 8, 6
+    q, k = torch.randn(N, T, Hk, Dk, generator=gen), torch.randn(N, T, Hk, Dk, generator=gen)
+    v = torch.randn(N, T, Hv, Dv, generator=gen)
+    g = -torch.rand(N, T, Hv, generator=gen) * 3
+    beta = torch.rand(N, T, Hv, generator=gen)
+    state = torch.randn(N, Hv, Dk, Dv, generator=gen)
+    rq, rk = q.repeat_interleave(Hv // Hk, 2), k.repeat_interleave(Hv // Hk, 2)
+    oq, ok = gd.normalize_qk(rq, rk) if use_l2 else (rq * Dk ** -0.5, rk)
+    kw = dict(initial_state=state.clone(), output_final_state=True, use_qk_l2norm_in_kernel=use_l2)
+    ref_r, ref_rs = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+    ref_c, ref_cs = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, **kw)
+    out_r, S_r = gd.recurrent_gated_delta(oq, ok, v, g, beta, state)
+    out_c, S_c = gd.chunk_gated_delta(oq, ok, v, g, beta, state)
+    for a, b in [(out_r, ref_r), (S_r, ref_rs), (out_c, ref_c), (S_c, ref_cs), (out_c, ref_r)]:
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 2, 6])
+def test_conv_equals_transformers(hf, T):
+    """causal_conv1d_update with transformers' cache layout (K columns: its oldest is never read) and with ours
+    (K - 1 columns); causal_conv1d_fn for a prefill from nothing."""
+    gen = torch.Generator().manual_seed(T)
+    N, C = 2, 5
+    x = torch.randn(N, T, C, generator=gen, dtype=torch.float64)
+    weight = torch.randn(C, K, generator=gen, dtype=torch.float64)
+    their_state = torch.randn(N, C, K, generator=gen, dtype=torch.float64)
+    ours, new_state = gd.causal_conv(x, weight, their_state[..., 1:])
+    st = their_state.clone()
+    ref = hf.causal_conv1d_update(x.transpose(1, 2), st, weight, None, "silu").transpose(1, 2)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(new_state, st[..., 1:], rtol=0, atol=0)
+    st = their_state[..., 1:].clone()
+    ref = hf.causal_conv1d_update(x.transpose(1, 2), st, weight, None, "silu").transpose(1, 2)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(new_state, st, rtol=0, atol=0)
+    prefill = hf.causal_conv1d_fn(x.transpose(1, 2), weight, None, activation="silu").transpose(1, 2)
+    torch.testing.assert_close(gd.causal_conv(x, weight, torch.zeros(N, C, K - 1, dtype=x.dtype))[0], prefill,
+                               rtol=0, atol=1e-12)
+
+
+def test_compiled_tree_verify_and_commit():
+    """One round's recurrent math (tree conv, tree rule, commit of each request's last row, conv state along the
+    path) compiles whole and equals eager."""
+    N, B = 2, 6
+    parents = torch.tensor([[0, 0, 1, 2, -1, -1], [0, 1, 2, 3, 4, 5]])
+    q, k, v, g, beta, state, x, weight, conv_state = make_inputs(N, B + 1, 2, 4, 3, 3, seed=0, dtype=torch.float32)
+    last = torch.tensor([4, 3])
+    path = torch.tensor([[0, 1, 3, 4, 0, 0, 0], [0, 1, 2, 3, 0, 0, 0]])
+    length = torch.tensor([4, 4])
+
+    def verify(q, k, v, g, beta, state, x, conv_state, parents, last, path, length):
+        anc = draft_tree.ancestor_matrix(parents)
+        c = gd.tree_conv(x, weight, conv_state, parents)
+        out, u, G = gd.tree_gated_delta(q, k, v, g, beta, state, anc)
+        mask = anc.gather(1, last[:, None, None].expand(-1, 1, anc.shape[-1]))[:, 0]
+        return c, out, gd.commit_state(state, k, u, G, mask), gd.conv_state_along(x, conv_state, path, length)
+
+    args = (q, k, v, g, beta, state, x, conv_state, parents, last, path, length)
+    compiled = torch.compile(verify, fullgraph=True, dynamic=False)
+    for a, b in zip(compiled(*args), verify(*args)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert math.isfinite(float(b.abs().max()))
