@@ -87,9 +87,14 @@ def test_tree_equals_sequential_along_each_path(B, pad_frac, N, H, Dk, Dv, seed)
     check_tree(parents, N, H, Dk, Dv, 3, seed)
 
 
-@pytest.mark.parametrize("shape", ["star", "chain", "root_only", "all_padded", "wide"])
+@pytest.mark.parametrize("shape", ["star", "chain", "root_only", "all_padded", "wide", "full_width"])
 def test_tree_edge_shapes(shape):
-    B = {"star": 9, "chain": 9, "root_only": 0, "all_padded": 5, "wide": 64}[shape]
+    """Depth 1, one chain, R = 1, only padding, a random tree of 64, and the widest tree of the default budget
+    (512 children of the root)."""
+    B = {"star": 9, "chain": 9, "root_only": 0, "all_padded": 5, "wide": 64, "full_width": 512}[shape]
+    if shape == "full_width":
+        check_tree(torch.zeros(1, B, dtype=torch.long), 1, 2, 3, 2, 2, seed=B)
+        return
     if shape == "star":
         parents = torch.zeros(2, B, dtype=torch.long)
     elif shape == "chain":
@@ -225,3 +230,18 @@ def test_compiled_tree_verify_and_commit():
     for a, b in zip(compiled(*args), verify(*args)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert math.isfinite(float(b.abs().max()))
+
+
+def test_worked_example_of_the_doc():
+    """docs/recurrent_tree.md's 4-row tree (root, children 1 and 2, grandchild 3 under 1), Dk = Dv = 1, by hand."""
+    one = torch.ones(1, 4, 1, 1, dtype=torch.float64)
+    v = torch.tensor([2.0, 4.0, 0.0, 6.0], dtype=torch.float64).view(1, 4, 1, 1)
+    g = torch.full((1, 4, 1), math.log(0.5), dtype=torch.float64)
+    beta = torch.full((1, 4, 1), 0.5, dtype=torch.float64)
+    state = torch.ones(1, 1, 1, 1, dtype=torch.float64)
+    anc = draft_tree.ancestor_matrix(torch.tensor([0, 0, 1]))
+    out, u, G = gd.tree_gated_delta(one, one, v, g, beta, state, anc)
+    torch.testing.assert_close(u.flatten(), torch.tensor([0.75, 1.6875, -0.3125, 2.421875], dtype=torch.float64))
+    torch.testing.assert_close(out.flatten(), torch.tensor([1.25, 2.3125, 0.3125, 3.578125], dtype=torch.float64))
+    S = gd.commit_state(state, one, u, G, anc[3].unsqueeze(0))
+    assert S.item() == pytest.approx(3.578125, abs=1e-14)
