@@ -1,12 +1,13 @@
 """CPU-only speed, behind one seam: what a compiled CPU engine adds to the GPU path, and nothing a GPU run uses.
 A reader of the round can skip this file. The engine calls `prepare` once when it is built on a CPU with
-compile, and `compile_frozen` for compile="max-autotune"; model.Attention asks `cpu_kernel_applies`.
+compile (it gives the models' linears and attention layers their CPU classes, CpuLinear and CpuAttention), and
+`compile_frozen` for compile="max-autotune".
 
 - The attention kernel (cpu_attention.cpp): a round's few query rows under a PrefixMask, several times faster than
   FlexAttention's CPU template at these sizes (docs/compile.md, "CPU attention kernel").
 - Frozen max-autotune graphs with oneDNN copies of the weights (docs/compile.md, "Few-row matmuls on CPU").
+- One-row matmuls of compiled graphs as a fused multiply-and-sum (docs/compile.md, "one-row Linear on CPU").
 - Inductor's ISA probe started early (docs/compile.md, "ISA probe").
-(model.Linear's one-row reduction stays in model.py: it is the module's forward.)
 """
 
 import functools
@@ -19,22 +20,73 @@ import time
 import warnings
 
 import torch
+import torch._inductor.config  # read while tracing: the prepacked copies serve frozen graphs only
 import torch.nn as nn
+import torch.nn.functional as F
+
+from model import Attention, Linear
 
 
 def prepare(target, drafter, frozen: bool) -> float:
-    """A compiled CPU engine's needs before its graphs are traced: the ISA probe started, the attention kernel
-    loaded, and for frozen graphs the linears prepacked. Returns the seconds spent building the kernel (counted as
-    compiling)."""
+    """A compiled CPU engine's needs before its graphs are traced: the models' CPU classes, the ISA probe started,
+    the attention kernel loaded, and for frozen graphs the linears prepacked. Returns the seconds spent building
+    the kernel (counted as compiling)."""
+    models = [m for m in (target, drafter) if m is not None]
+    use_cpu_classes(*models)
     start_cpu_isa_probe()
     t0 = time.perf_counter()
     load_cpu_kernel()  # the rounds' attention, where it applies (cpu_kernel_applies)
     seconds = time.perf_counter() - t0
     if frozen:
-        for model in (target, drafter):
-            if model is not None:
-                prepack_linears(model)
+        for model in models:
+            prepack_linears(model)
     return seconds
+
+
+def use_cpu_classes(*models):
+    """Every model.Linear and model.Attention of `models` becomes a CpuLinear / CpuAttention, in place (same
+    weights and caches, the CPU forward). Outside a compiled graph they compute what their parents do, so eager
+    engines sharing the models are unaffected."""
+    swaps = {Linear: CpuLinear, Attention: CpuAttention}
+    for model in models:
+        for m in model.modules():
+            m.__class__ = swaps.get(type(m), type(m))
+
+
+# The one-row switch (docs/compile.md, "one-row Linear on CPU"). Decoding one token only streams the weights, and
+# MKL's matrix-vector path streams them well below memory bandwidth, while a multiply-and-sum that inductor fuses
+# into one vectorized reduction comes close to it (docs/benchmarks.md). So compiled code on the CPU computes a
+# single row that way. Several rows stay on the matmul (inside a full layer inductor turns the multi-row form into
+# loops slower than MKL), and eager code keeps F.linear (eager would materialize the product). False: plain
+# F.linear everywhere.
+CPU_ONE_ROW_REDUCTION = True
+
+
+class CpuLinear(Linear):
+    """model.Linear on a compiled CPU engine: in graphs, one row as a fused reduction (see the switch above), and in
+    frozen graphs several rows through oneDNN on the prepacked weight when `prepack_linears` gave it one."""
+    packed = None  # the weight in oneDNN's layout (prepack_linears); an attribute, not state
+    packed_from = None  # (data_ptr, version) of the weight it was packed from
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            rows = x.shape[:-1].numel()
+            if CPU_ONE_ROW_REDUCTION and rows == 1:
+                return (x[..., None, :] * self.weight).sum(-1)
+            # freezing first: graphs without it never read (so never guard on) the packed copy
+            if torch._inductor.config.freezing and self.packed is not None:
+                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed, None, "none", [], "")
+                return out.view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight)
+
+
+class CpuAttention(Attention):
+    """model.Attention on a compiled CPU engine: the CPU kernel wherever it applies (cpu_kernel_applies)."""
+
+    def attend(self, q, mask, scale):
+        if cpu_kernel_applies(q, self.k_cache, mask):
+            return cpu_attention(q, self.k_cache, self.v_cache, mask, scale).flatten(2)
+        return super().attend(q, mask, scale)
 
 
 # compile="max-autotune" on the CPU: the engine freezes its weights into its own graphs and lets inductor's autotuner
@@ -72,7 +124,8 @@ def start_cpu_isa_probe():
 # to oneDNN where the CPU has its bf16 instructions: prepack_dtypes). A weight prepacked outside the graph is a graph
 # constant under freezing, and inductor then autotunes oneDNN against its template for each shape. So
 # compile="max-autotune" engines on the CPU prepack their models' linears once (the packed copies are kept beside the
-# weights and reused by every engine while the weights are unchanged), and Linear uses them only inside frozen graphs.
+# weights and reused by every engine while the weights are unchanged), and CpuLinear uses them only inside frozen
+# graphs.
 @functools.cache
 def prepack_dtypes() -> tuple:
     """The weight dtypes oneDNN can prepack on this CPU, asked once per process: bf16 needs AVX-512 (BW, VL, DQ) or
@@ -82,11 +135,11 @@ def prepack_dtypes() -> tuple:
 
 
 def prepack_linears(module: nn.Module):
-    """Give every Linear of `module` (on the CPU, in a dtype of prepack_dtypes()) its weight in oneDNN's blocked
+    """Give every CpuLinear of `module` (on the CPU, in a dtype of prepack_dtypes()) its weight in oneDNN's blocked
     layout, unless the copy it has was packed from the same, unchanged weight (a new copy would make other engines'
     graphs recompile: dynamo guards on it)."""
     for m in module.modules():
-        w = m.weight if hasattr(m, "packed_from") else None  # a model.Linear (model.py imports this file)
+        w = m.weight if isinstance(m, CpuLinear) else None
         if w is None or w.device.type != "cpu" or w.dtype not in prepack_dtypes():
             continue
         source = (w.data_ptr(), None if w.is_inference() else w._version)  # inference tensors keep no version
@@ -105,7 +158,7 @@ cpu_kernel_loaded = False  # set by load_cpu_kernel; read while tracing, so each
 def load_cpu_kernel() -> bool:
     """Build cpu_attention.cpp (once per machine: about 8 s, kept in inductor's cache directory) and load it, which
     registers torch.ops.ddtree.tree_attention; returns whether it is loaded. Each CPU engine calls it once, before
-    its graphs are traced; from then on model.Attention runs the kernel wherever it applies (cpu_kernel_applies).
+    its graphs are traced; from then on CpuAttention runs the kernel wherever it applies (cpu_kernel_applies).
     Where it cannot be built or loaded: one warning, and CPU engines run FlexAttention."""
     global cpu_kernel_loaded
     try:

@@ -17,7 +17,6 @@ import torch._inductor.config  # read while tracing: frozen graphs keep their la
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from cpu_backend import cpu_attention, cpu_kernel_applies
 from loading import (check_qwen3_config, config_fields, eos_ids_of, load_weights, parse_device, parse_dtype,
                      read_json, resolve_checkpoint)
 from moe import SparseMoE
@@ -97,34 +96,11 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-# The CPU one-row switch (docs/compile.md, "one-row Linear on CPU"). Decoding one token only streams the weights,
-# and MKL's matrix-vector path streams them well below memory bandwidth, while a multiply-and-sum that inductor
-# fuses into one vectorized reduction comes close to it (the README's benchmark section has the figures). So
-# compiled code on the CPU computes a single row that way. Several rows stay on the matmul (inside a full layer
-# inductor turns the multi-row form into loops slower than MKL), CUDA keeps cuBLAS, and eager code keeps F.linear
-# (eager would materialize the product). False: plain F.linear everywhere.
-CPU_ONE_ROW_REDUCTION = True
-
-
 class Linear(nn.Linear):
-    """nn.Linear without bias. Compiled on the CPU: one row as a fused reduction (see the switch above), and in
-    frozen graphs several rows through oneDNN on the prepacked weight when `cpu_backend.prepack_linears` gave it one."""
+    """nn.Linear without bias (on a compiled CPU engine, cpu_backend.CpuLinear takes its place)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.packed = None  # the weight in oneDNN's layout (cpu_backend.prepack_linears); an attribute, not state
-        self.packed_from = None  # (data_ptr, version) of the weight it was packed from
-
-    def forward(self, x):
-        if x.device.type == "cpu" and torch.compiler.is_compiling():
-            rows = x.shape[:-1].numel()
-            if CPU_ONE_ROW_REDUCTION and rows == 1:
-                return (x[..., None, :] * self.weight).sum(-1)
-            # freezing first: graphs without it never read (so never guard on) the packed copy
-            if torch._inductor.config.freezing and self.packed is not None:
-                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed, None, "none", [], "")
-                return out.view(*x.shape[:-1], -1)
-        return F.linear(x, self.weight)
 
 
 # Layers compiled once (docs/compile.md, "Layers compiled once"). A model's layers run the same code on the same
@@ -194,9 +170,12 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(n, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         self.write_kv(x, cos, sin, cache_pos)
-        scale, gqa = self.head_dim ** -0.5, self.heads != self.kv_heads
-        if cpu_kernel_applies(q, self.k_cache, mask):  # compiled CPU engines only (cpu_backend.py)
-            return self.o_proj(cpu_attention(q, self.k_cache, self.v_cache, mask, scale).view(n, q_len, -1))
+        return self.o_proj(self.attend(q, mask, self.head_dim ** -0.5))
+
+    def attend(self, q, mask, scale):
+        """q [N, H, Q, D] over this layer's caches under `mask`, as [N, Q, H * D]: the one attention seam (on a
+        compiled CPU engine, cpu_backend.CpuAttention runs its kernel here where it applies)."""
+        n, q_len, gqa = q.shape[0], q.shape[2], self.heads != self.kv_heads
         if isinstance(mask, torch.Tensor):  # dense, over the KV slots it covers (tree_attn.PrefixMask, dense=True)
             kv = mask.shape[-1]
             out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :kv], self.v_cache[:, :, :kv], attn_mask=mask,
@@ -205,7 +184,7 @@ class Attention(nn.Module):
             options = flex_kernel_options(q_len, q.device.type)
             out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale, enable_gqa=gqa,
                                  kernel_options=options)
-        return self.o_proj(out.transpose(1, 2).reshape(n, q_len, self.heads * self.head_dim))
+        return out.transpose(1, 2).reshape(n, q_len, self.heads * self.head_dim)
 
 
 def write_slots(cache, slots, values):

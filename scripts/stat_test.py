@@ -38,7 +38,6 @@ Controls (`--control`; `auto` picks by method):
 
 import argparse
 import contextlib
-import itertools
 import math
 import os
 import sys
@@ -102,15 +101,18 @@ def load_pair(target_path: str, draft_path: str | None, device: str = "cpu"):
 
 
 @contextlib.contextmanager
-def attention(kind: str):
+def attention(kind: str, *models):
     """kind 'dense': the engine as is (eager CPU engines materialize the mask for SDPA); 'flex': eager engines
     hand their layers the BlockMask, and eager FlexAttention runs (ddtree.EAGER_CPU_ATTENTION); 'kernel': the same
-    BlockMask through the CPU attention kernel that compiled CPU engines run (cpu_backend.load_cpu_kernel)."""
+    BlockMask through the CPU attention kernel that compiled CPU engines run (cpu_backend.load_cpu_kernel), in
+    `models`' layers (given their CPU classes, cpu_backend.use_cpu_classes)."""
     saved = ddtree.EAGER_CPU_ATTENTION, cpu_backend.USE_CPU_KERNEL
     ddtree.EAGER_CPU_ATTENTION = "sdpa" if kind == "dense" else "flex"
     cpu_backend.USE_CPU_KERNEL = kind == "kernel"
     if kind == "kernel" and not cpu_backend.load_cpu_kernel():
         raise SystemExit("error: --attention kernel: the CPU attention kernel could not be built (see the warning)")
+    if kind == "kernel":
+        cpu_backend.use_cpu_classes(*(m for m in models if m is not None))
     ddtree._ENGINES.clear()  # engines fix their attention when they are made
     try:
         yield
@@ -358,7 +360,7 @@ def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: st
     kw = dict(method=method, budget=budget if method == "ddtree" else None, draft_sampling=draft_sampling,
               draft_temperature=draft_temperature, denoise_steps=denoise_steps, **sampling_kw)
     out = {"control_name": control}
-    with attention(attention_kind):
+    with attention(attention_kind, target, drafter):
         law = exact_law(target, prompt, n, s, batch)
         probs, margin = law.probs, law.margin
         out["margin"], out["law"] = margin, law

@@ -1,6 +1,7 @@
-"""The CPU attention kernel (cpu_attention.cpp) against SDPA with the mask written out by hand: shapes, per-request
-prefixes and trees, rows that see little or nothing, NaNs; inside a compiled graph without recompiles; as the
-attention model.Attention runs; and the fallback to FlexAttention where it cannot be built."""
+"""The CPU seam (cpu_backend.py). The attention kernel (cpu_attention.cpp) against SDPA with the mask written out by
+hand: shapes, per-request prefixes and trees, rows that see little or nothing, NaNs; inside a compiled graph
+without recompiles; as the attention CpuAttention runs; and the fallback to FlexAttention where it cannot be built.
+CpuLinear's one-row reduction and its oneDNN copies in frozen graphs."""
 
 import os
 import subprocess
@@ -129,7 +130,7 @@ def test_compiled_kernel_follows_the_mask_without_recompiles():
 
 @pytest.mark.parametrize("dtype", cpu_backend.KERNEL_DTYPES)
 def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
-    attn = model.Attention(64, 4, 2, 64, 1e-6).to(dtype)
+    attn = cpu_backend.CpuAttention(64, 4, 2, 64, 1e-6).to(dtype)
     model.allocate_kv_caches([SimpleNamespace(self_attn=attn)], 256, dtype, "cpu")
     x = torch.randn(1, 5, 64, dtype=dtype)
     cos, sin = (t[:, None] for t in model.rope_cos_sin(torch.arange(40, 45)[None], model.rope_inv_freq(64, 1e6, None),
@@ -138,7 +139,7 @@ def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
     block_mask = mask.set(40, torch.ones(5, 5, dtype=torch.bool).tril())
     attn.k_cache.normal_(), attn.v_cache.normal_()
     calls = []
-    monkeypatch.setattr(model, "cpu_attention", lambda *a: calls.append(1) or cpu_attention(*a))
+    monkeypatch.setattr(cpu_backend, "cpu_attention", lambda *a: calls.append(1) or cpu_attention(*a))
     with torch.inference_mode():
         ours = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
         monkeypatch.setattr(cpu_backend, "USE_CPU_KERNEL", False)
@@ -161,3 +162,74 @@ def test_a_kernel_that_cannot_be_built_warns_once_and_flex_runs(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.split() == ["False", "False", "1", "True"], out.stdout + out.stderr
+
+
+def test_linear_one_row_fast_path_is_taken_and_matches_matmul():
+    """Compiled on the CPU, one row goes through the fused multiply-reduce (no matmul call in the generated code)
+    and several rows through the matmul; both equal F.linear to float32 rounding, in fp32 and bf16."""
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        lin = cpu_backend.CpuLinear(96, 300).to(dtype)
+        compiled = torch.compile(lin, dynamic=False, fullgraph=True)
+        for rows, uses_matmul in ((1, False), (3, True)):
+            x = torch.randn(rows, 96, dtype=dtype)
+            with torch.no_grad():
+                out, code = run_and_get_code(compiled, x)
+                ref = torch.nn.functional.linear(x.float(), lin.weight.float())
+            assert out.shape == (rows, 300) and out.dtype == dtype
+            assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), (dtype, rows)
+            assert ("extern_kernels.mm" in "".join(code)) == uses_matmul, (dtype, rows)
+
+
+def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
+    """prepack_linears gives each Linear a oneDNN copy of its weight, once: kept while the weight is unchanged (a
+    new copy would recompile every graph that holds the old one), made again after an in-place change. Frozen
+    graphs multiply several rows by it through oneDNN and equal F.linear; one row keeps the fused reduce, and
+    graphs without freezing (and eager code) keep the matmul on the weight, in fp32 and, where oneDNN packs bf16
+    on this CPU, bf16 (elsewhere a bf16 Linear gets no copy and frozen graphs keep their own matmul)."""
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    assert torch.float32 in cpu_backend.prepack_dtypes()  # fp32 weights are packed on every CPU
+    if torch.bfloat16 not in cpu_backend.prepack_dtypes():
+        lin = cpu_backend.CpuLinear(96, 300).to(torch.bfloat16)
+        cpu_backend.prepack_linears(lin)
+        assert lin.packed is None
+        x = torch.randn(3, 96, dtype=torch.bfloat16)
+        compiled = torch.compile(lambda t: lin(t), dynamic=False, fullgraph=True)
+        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+            out, code = run_and_get_code(compiled, x)
+        assert "mkldnn._linear_pointwise" not in "".join(code)
+        assert torch.allclose(out.float(), torch.nn.functional.linear(x, lin.weight.detach()).float(), rtol=2e-2,
+                              atol=2e-2)
+        torch._dynamo.reset()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        if dtype not in cpu_backend.prepack_dtypes():
+            continue
+        lin = cpu_backend.CpuLinear(96, 300).to(dtype)
+        cpu_backend.prepack_linears(torch.nn.Sequential(lin))
+        packed = lin.packed
+        cpu_backend.prepack_linears(lin)
+        assert lin.packed is packed
+        for freezing, rows, onednn in ((True, 3, True), (True, 1, False), (False, 3, False)):
+            x = torch.randn(rows, 2, 96, dtype=dtype)[:, 0]  # strided rows: the packed path reshapes them
+            compiled = torch.compile(lambda t: lin(t), dynamic=False, fullgraph=True)
+            with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
+                out, code = run_and_get_code(compiled, x)
+            ref = torch.nn.functional.linear(x.float(), lin.weight.detach().float())
+            assert out.shape == (rows, 300) and out.dtype == dtype
+            assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), (dtype, freezing, rows)
+            assert ("mkldnn._linear_pointwise" in "".join(code)) == onednn, (dtype, freezing, rows)
+            torch._dynamo.reset()
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        cpu_backend.prepack_linears(lin)
+        x = torch.randn(4, 96, dtype=dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+        assert lin.packed is not packed
+        assert torch.allclose(out.float(), torch.nn.functional.linear(x, lin.weight.detach()).float(), rtol=tol,
+                              atol=tol)
+    with torch.inference_mode():  # weights made in inference mode have no version counter: packed all the same
+        lin = cpu_backend.CpuLinear(8, 4)
+        cpu_backend.prepack_linears(lin)
+    assert lin.packed is not None

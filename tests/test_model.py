@@ -24,7 +24,6 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import cpu_backend
 import loading
 import model as model_mod
 from model import Qwen3
@@ -631,77 +630,6 @@ def test_bf16_load_peak_memory(ckpt, tmp_path):
     # Total RSS (ru_maxrss) also counts the mapped file's resident pages, which depend on the page cache and the
     # kernel's read-ahead: 294 MiB in one run, 440 MiB in a fresh CI clone. It is printed, not asserted.
     print(f"{what} peak RSS by {res['rss_growth_mib']:.0f} MiB (file {file_mib:.0f} MiB)")
-
-
-def test_linear_one_row_fast_path_is_taken_and_matches_matmul():
-    """Compiled on the CPU, one row goes through the fused multiply-reduce (no matmul call in the generated code)
-    and several rows through the matmul; both equal F.linear to float32 rounding, in fp32 and bf16."""
-    from torch._inductor.utils import run_and_get_code
-    torch.manual_seed(0)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        lin = model_mod.Linear(96, 300).to(dtype)
-        compiled = torch.compile(lin, dynamic=False, fullgraph=True)
-        for rows, uses_matmul in ((1, False), (3, True)):
-            x = torch.randn(rows, 96, dtype=dtype)
-            with torch.no_grad():
-                out, code = run_and_get_code(compiled, x)
-                ref = torch.nn.functional.linear(x.float(), lin.weight.float())
-            assert out.shape == (rows, 300) and out.dtype == dtype
-            assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), (dtype, rows)
-            assert ("extern_kernels.mm" in "".join(code)) == uses_matmul, (dtype, rows)
-
-
-def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
-    """prepack_linears gives each Linear a oneDNN copy of its weight, once: kept while the weight is unchanged (a
-    new copy would recompile every graph that holds the old one), made again after an in-place change. Frozen
-    graphs multiply several rows by it through oneDNN and equal F.linear; one row keeps the fused reduce, and
-    graphs without freezing (and eager code) keep the matmul on the weight, in fp32 and, where oneDNN packs bf16
-    on this CPU, bf16 (elsewhere a bf16 Linear gets no copy and frozen graphs keep their own matmul)."""
-    from torch._inductor.utils import run_and_get_code
-    torch.manual_seed(0)
-    assert torch.float32 in cpu_backend.prepack_dtypes()  # fp32 weights are packed on every CPU
-    if torch.bfloat16 not in cpu_backend.prepack_dtypes():
-        lin = model_mod.Linear(96, 300).to(torch.bfloat16)
-        cpu_backend.prepack_linears(lin)
-        assert lin.packed is None
-        x = torch.randn(3, 96, dtype=torch.bfloat16)
-        compiled = torch.compile(lambda t: lin(t), dynamic=False, fullgraph=True)
-        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
-            out, code = run_and_get_code(compiled, x)
-        assert "mkldnn._linear_pointwise" not in "".join(code)
-        assert torch.allclose(out.float(), torch.nn.functional.linear(x, lin.weight.detach()).float(), rtol=2e-2,
-                              atol=2e-2)
-        torch._dynamo.reset()
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        if dtype not in cpu_backend.prepack_dtypes():
-            continue
-        lin = model_mod.Linear(96, 300).to(dtype)
-        cpu_backend.prepack_linears(torch.nn.Sequential(lin))
-        packed = lin.packed
-        cpu_backend.prepack_linears(lin)
-        assert lin.packed is packed
-        for freezing, rows, onednn in ((True, 3, True), (True, 1, False), (False, 3, False)):
-            x = torch.randn(rows, 2, 96, dtype=dtype)[:, 0]  # strided rows: the packed path reshapes them
-            compiled = torch.compile(lambda t: lin(t), dynamic=False, fullgraph=True)
-            with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
-                out, code = run_and_get_code(compiled, x)
-            ref = torch.nn.functional.linear(x.float(), lin.weight.detach().float())
-            assert out.shape == (rows, 300) and out.dtype == dtype
-            assert torch.allclose(out.float(), ref, rtol=tol, atol=tol), (dtype, freezing, rows)
-            assert ("mkldnn._linear_pointwise" in "".join(code)) == onednn, (dtype, freezing, rows)
-            torch._dynamo.reset()
-        with torch.no_grad():
-            lin.weight.mul_(2)
-        cpu_backend.prepack_linears(lin)
-        x = torch.randn(4, 96, dtype=dtype)
-        out = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
-        assert lin.packed is not packed
-        assert torch.allclose(out.float(), torch.nn.functional.linear(x, lin.weight.detach()).float(), rtol=tol,
-                              atol=tol)
-    with torch.inference_mode():  # weights made in inference mode have no version counter: packed all the same
-        lin = model_mod.Linear(8, 4)
-        cpu_backend.prepack_linears(lin)
-    assert lin.packed is not None
 
 
 def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):

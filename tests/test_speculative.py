@@ -15,7 +15,7 @@ import cpu_backend
 from conftest import compiled_equals_eager
 from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter, default_target_layer_ids
-from model import Linear, Qwen3
+from model import Attention, Linear, Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
@@ -186,6 +186,10 @@ def test_engine_decides_tree_builder_and_attention_once(models):
     assert cpu_backend.cpu_kernel_loaded
     q = torch.zeros(1, 4, 5, target.config.head_dim)
     assert cpu_backend.cpu_kernel_applies(q, target.layers[0].self_attn.k_cache, engine.verify_mask.block_mask)
+    # ... through the CPU classes that compiled CPU engines give their models' layers (cpu_backend.prepare)
+    for model in (target, drafters[5]):
+        assert {type(m) for m in model.modules() if isinstance(m, (Attention, Linear))} == {cpu_backend.CpuAttention,
+                                                                                             cpu_backend.CpuLinear}
 
 
 def test_compiled_sampling_equals_eager_without_recompiles(models):

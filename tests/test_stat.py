@@ -75,18 +75,19 @@ def test_dense_attention_matches_flex_and_the_kernel(pair, monkeypatch):
     """The engine's dense eager path gives the same tokens as eager flex_attention and as the CPU kernel, over
     several rounds (and each kind really runs: FlexAttention is called under 'flex' only, the kernel under 'kernel'
     only)."""
+    import cpu_backend
     import model
     target, drafter = pair
     calls = {"flex": [], "kernel": []}
-    flex, kernel = model.flex_attention, model.cpu_attention
+    flex, kernel = model.flex_attention, cpu_backend.cpu_attention
     monkeypatch.setattr(model, "flex_attention", lambda *a, **k: calls["flex"].append(1) or flex(*a, **k))
-    monkeypatch.setattr(model, "cpu_attention", lambda *a, **k: calls["kernel"].append(1) or kernel(*a, **k))
+    monkeypatch.setattr(cpu_backend, "cpu_attention", lambda *a, **k: calls["kernel"].append(1) or kernel(*a, **k))
     for kw in (dict(method="ddtree", budget=5), dict(method="dflash", draft_sampling=True), dict(method="ar")):
         runs = {}
         for kind in ("flex", "dense", "kernel"):
             for c in calls.values():
                 c.clear()
-            with st.attention(kind):
+            with st.attention(kind, target, drafter):
                 runs[kind] = [generate(target, drafter if kw["method"] != "ar" else None, PROMPT, max_new_tokens=8,
                                        seed=s, stop_ids=[], **kw, **WARP).tokens for s in range(6)]
             assert {k: len(c) > 0 for k, c in calls.items()} == {"flex": kind == "flex", "kernel": kind == "kernel"}
