@@ -78,8 +78,8 @@ def check_tree(parents, N, H, Dk, Dv, C, seed, dtype=torch.float64, tol=1e-10, d
     return worst
 
 
-@settings(max_examples=25, deadline=None)
-@given(B=st.integers(0, 12), pad_frac=st.floats(0, 0.5), N=st.integers(1, 2), H=st.integers(1, 2),
+@settings(max_examples=150, deadline=None)
+@given(B=st.integers(0, 20), pad_frac=st.floats(0, 0.5), N=st.integers(1, 2), H=st.integers(1, 2),
        Dk=st.integers(1, 4), Dv=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
 def test_tree_equals_sequential_along_each_path(B, pad_frac, N, H, Dk, Dv, seed):
     gen = torch.Generator().manual_seed(seed)
