@@ -225,3 +225,39 @@ def chunk_gated_delta(q, k, v, g, beta, state, chunk: int = 64):
         S = G[:, m, :, -1].exp()[..., None, None] * S + k_to_end[:, m].transpose(-1, -2) @ u
     out = torch.stack(outs, 1).transpose(2, 3).reshape(N, M * chunk, H, -1)[:, :T]
     return out, S
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layer: what a forward tells the recurrent layers about its rows, and the Gated DeltaNet module.
+
+
+from dataclasses import dataclass, field  # noqa: E402
+
+
+@dataclass
+class Recurrent:
+    """What the recurrent layers need to know about the rows of one forward (model.Qwen3.forward's `recurrent`).
+
+    Causal mode (a prefill chunk, a decode step): `valid` [N], rows >= valid[n] are padding and leave request n's
+    state alone (beta = 0 and g = 0 there; the conv state is the last K - 1 inputs among the valid rows; valid
+    may be 0); None: every row is valid. Each layer updates its state in place.
+    Tree mode (a verify): `parents` [N, B] as draft_tree gives them (rows [root, nodes...], -1 = padded node) and
+    `anc` [N, B + 1, B + 1] (uint8 or bool) = draft_tree.ancestor_matrix(parents). The committed state is left
+    untouched; each layer puts into `pending` (keyed by its layer index) what Qwen3.commit_recurrent needs: its
+    conv inputs and the k, u, G of the tree rule."""
+    valid: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
+    anc: torch.Tensor | None = None
+    pending: dict = field(default_factory=dict)
+
+    @classmethod
+    def chain(cls, valid) -> "Recurrent":
+        return cls(valid=valid)
+
+    @classmethod
+    def tree(cls, parents, anc) -> "Recurrent":
+        return cls(parents=parents, anc=anc)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None

@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from loading import (check_qwen3_config, config_fields, eos_ids_of, load_weights, parse_device, parse_dtype,
                      read_json, resolve_checkpoint)
+from gated_delta import Recurrent  # noqa: F401  (re-exported: the engine builds one per forward)
 from moe import SparseMoE
 from tree_attn import flex_kernel_options, prefix_block_mask
 
@@ -282,14 +283,30 @@ class Qwen3(nn.Module):
     def kv_caches(self):
         return layer_kv_caches(self.layers)
 
-    def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=()):
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model has recurrent (Gated DeltaNet) layers."""
+        return False
+
+    def reset_recurrent(self):
+        """Zero every recurrent and conv state (before a new prompt's prefill)."""
+
+    def state_tensors(self):
+        """Every per-request recurrent tensor (request row = dim 0)."""
+        return iter(())
+
+    def commit_recurrent(self, recurrent, path, length):
+        """The recurrent layers' states after the accepted path (a no-op without recurrent layers)."""
+
+    def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), recurrent=None):
         """tokens, input_pos, cache_pos: [N, Q] int64 (request n's rows, their RoPE positions and cache slots in
         cache row n), or [Q] for one request. Returns (float32 logits [N, len(logits_rows) or Q, V], features
         [N, Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers, concatenated; without the
         leading N for 1-D input. logits_rows: [N, k] rows of each request to take logits of (or [k])."""
         if tokens.dim() == 1:
             rows = None if logits_rows is None else logits_rows[None]
-            logits, features = self(tokens[None], input_pos[None], cache_pos[None], block_mask, rows, feature_layers)
+            logits, features = self(tokens[None], input_pos[None], cache_pos[None], block_mask, rows, feature_layers,
+                                    recurrent)
             return logits[0], (None if features is None else features[0])
         x = self.embed_tokens(tokens)
         cos, sin = (t[:, None] for t in rope_cos_sin(input_pos, self.inv_freq, x.dtype))
