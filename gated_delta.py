@@ -23,6 +23,7 @@ under torch.compile(fullgraph=True).
 """
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -261,3 +262,114 @@ class Recurrent:
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where the reference upcasts: float32 for bf16 / fp16 / fp32 models, float64 for float64 ones."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class GatedRMSNorm(nn.Module):
+    """The norm inside Gated DeltaNet (not zero-centred): rms-normalize in float32, cast back, scale by w, then
+    multiply by silu(z) in float32 and cast back (transformers' Qwen3_5RMSNormGated, step for step)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, z):
+        f = compute_dtype(x.dtype)
+        h = x.to(f)
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (h * F.silu(z.to(f))).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer (transformers' Qwen3_5GatedDeltaNet; the names are its tensor names).
+
+    in_proj_qkv gives one channel block [q (Hk * Dk), k (Hk * Dk), v (Hv * Dv)] that runs through the depthwise
+    causal conv (kernel K, no bias, SiLU); in_proj_z the output gate, in_proj_b beta = sigmoid(b), in_proj_a the
+    log decay g = -exp(A_log) * softplus(a + dt_bias). q and k are l2-normalized (normalize_qk) and each of the
+    Hk key heads serves Hv / Hk consecutive value heads (repeat_interleave). The rule runs and the state is kept
+    in float32 (float64 for a float64 model) whatever the model dtype; the conv and its state stay in the model
+    dtype, as in transformers. Then the gated norm with z, and out_proj.
+
+    forward(x, recurrent): a chain (recurrent None or Recurrent.chain) advances `state` / `conv_state` in place
+    over the valid rows (chunked rule; the one-step rule for a single row); a tree (Recurrent.tree) leaves them
+    alone and puts (conv inputs, k, u, G) into recurrent.pending[index] for model.Qwen3.commit_recurrent."""
+
+    def __init__(self, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int,
+                 eps: float, index: int):
+        super().__init__()
+        from model import Linear  # (model.py imports this file)
+        self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
+        self.kernel, self.index = kernel, index
+        self.channels = 2 * key_heads * key_dim + value_heads * value_dim
+        self.in_proj_qkv = Linear(hidden, self.channels)
+        self.in_proj_z = Linear(hidden, value_heads * value_dim)
+        self.in_proj_b = Linear(hidden, value_heads)
+        self.in_proj_a = Linear(hidden, value_heads)
+        self.conv1d = nn.Module()  # only its weight [C, 1, K], as transformers' depthwise nn.Conv1d names it
+        self.conv1d.weight = nn.Parameter(torch.empty(self.channels, 1, kernel))
+        self.dt_bias = nn.Parameter(torch.ones(value_heads))
+        self.A_log = nn.Parameter(torch.zeros(value_heads))
+        self.norm = GatedRMSNorm(value_dim, eps)
+        self.out_proj = Linear(value_heads * value_dim, hidden)
+        # Per-request states, (non-persistent) buffers at fixed addresses for CUDA graphs, updated with copy_.
+        self.register_buffer("conv_state", None, persistent=False)  # [N, C, K - 1], model dtype
+        self.register_buffer("state", None, persistent=False)  # [N, Hv, Dk, Dv], compute_dtype(model dtype)
+        self.state_rows = None  # the buffers the states are the first rows of (allocate)
+
+    def allocate(self, batch: int, dtype, device):
+        """The states for `batch` requests, zeroed when new. As model.allocate_kv_caches: buffers of at least
+        `batch` rows with the same trailing shape, dtype and device are kept, and a smaller batch gets a view of
+        their first rows."""
+        shapes = ((self.channels, self.kernel - 1), (self.value_heads, self.key_dim, self.value_dim))
+        dtypes = (dtype, compute_dtype(dtype))
+        full = self.state_rows
+        with torch.inference_mode(False):
+            if full is None or full[0].shape[0] < batch or any(
+                    t.shape[1:] != s or t.dtype != d or t.device != torch.device(device)
+                    for t, s, d in zip(full, shapes, dtypes)):
+                full = self.state_rows = tuple(torch.zeros((batch, *s), dtype=d, device=device)
+                                               for s, d in zip(shapes, dtypes))
+            if self.state is None or self.state.shape[0] != batch or self.state.data_ptr() != full[1].data_ptr():
+                self.conv_state, self.state = (t if t.shape[0] == batch else t[:batch] for t in full)
+
+    def forward(self, x, recurrent=None):
+        N, T, _ = x.shape
+        f = compute_dtype(x.dtype)
+        Hk, Hv, Dk, Dv = self.key_heads, self.value_heads, self.key_dim, self.value_dim
+        mixed = self.in_proj_qkv(x)  # [N, T, C]: the conv's inputs
+        z = self.in_proj_z(x).view(N, T, Hv, Dv)
+        beta = self.in_proj_b(x).sigmoid().to(f)
+        g = -self.A_log.to(f).exp() * F.softplus(self.in_proj_a(x).to(f) + self.dt_bias.to(f))
+        weight = self.conv1d.weight[:, 0]
+        tree = recurrent is not None and recurrent.parents is not None
+        if tree:
+            conv = tree_conv(mixed, weight, self.conv_state, recurrent.parents)
+        else:
+            conv, new_conv = causal_conv(mixed, weight, self.conv_state)
+            valid = None if recurrent is None else recurrent.valid
+            if valid is not None:  # padding rows write nothing and decay nothing; the conv state ends at valid
+                valid = torch.as_tensor(valid, device=x.device).reshape(N)
+                live = (torch.arange(T, device=x.device) < valid[:, None]).to(f)[..., None]  # [N, T, 1]
+                beta, g = beta * live, g * live
+                rows = torch.arange(T, device=x.device).expand(N, T)
+                new_conv = conv_state_along(mixed, self.conv_state, rows, valid)
+        q, k, v = conv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        q, k = normalize_qk(q.reshape(N, T, Hk, Dk).to(f), k.reshape(N, T, Hk, Dk).to(f))
+        if Hv != Hk:  # key head h serves value heads h * r .. h * r + r - 1
+            q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+        v = v.reshape(N, T, Hv, Dv).to(f)
+        if tree:
+            out, u, G = tree_gated_delta(q, k, v, g, beta, self.state, recurrent.anc)
+            recurrent.pending[self.index] = (mixed, k, u, G)
+        else:
+            rule = recurrent_gated_delta if T == 1 else chunk_gated_delta
+            out, S = rule(q, k, v, g, beta, self.state)
+            self.state.copy_(S)
+            self.conv_state.copy_(new_conv)
+        out = self.norm(out.to(x.dtype), z)
+        return self.out_proj(out.reshape(N, T, Hv * Dv))

@@ -11,15 +11,56 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+HYBRID_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+                        "Qwen3_5MoeForCausalLM")
+
+
+def hybrid_kind(d: dict) -> str | None:
+    """"dense" or "moe" for a Qwen3.5 / Qwen3.6 hybrid config (transformers' qwen3_5, qwen3_5_moe and their text
+    configs), None for anything else."""
+    model_type, archs = d.get("model_type"), d.get("architectures") or []
+    if model_type in HYBRID_TYPES or set(HYBRID_ARCHITECTURES) & set(archs if isinstance(archs, list) else []):
+        moe = (model_type or "").startswith("qwen3_5_moe") or any("Moe" in a for a in archs if isinstance(a, str))
+        return "moe" if moe else "dense"
+    return None
+
+
+def text_config(d: dict, where: str) -> tuple[dict, str]:
+    """The text model's fields of a config: Qwen3_5ForConditionalGeneration files nest them in `text_config`
+    (the vision tower's in `vision_config`, unused). tie_word_embeddings of the outer config is the one
+    transformers ties by there; eos_token_id is taken from it too when the text part has none."""
+    inner = d.get("text_config")
+    if inner is None:
+        return d, where
+    if not isinstance(inner, dict):
+        raise ValueError(f"{where}: text_config must be a JSON object, got {type(inner).__name__}")
+    merged = dict(inner)
+    if "tie_word_embeddings" in d:
+        merged["tie_word_embeddings"] = d["tie_word_embeddings"]
+    if merged.get("eos_token_id") is None and d.get("eos_token_id") is not None:
+        merged["eos_token_id"] = d["eos_token_id"]
+    merged.setdefault("model_type", (d.get("model_type") or "qwen3_5") + "_text")
+    return merged, f"{where} (text_config)"
+
+
 def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) -> dict:
-    """Qwen3Config's fields from a config.json dict (transformers v4 and v5 layouts, dense or MoE): every field that
-    changes the computation is read or refused (docs/checkpoints.md lists them), every value type-checked."""
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in d]
+    """Qwen3Config's fields from a config.json dict (transformers v4 and v5 layouts, dense or MoE, and the Qwen3.5
+    hybrids, nested or not): every field that changes the computation is read or refused (docs/checkpoints.md
+    lists them), every value type-checked."""
+    hybrid = hybrid_kind(d)
+    if hybrid:
+        d, where = text_config(d, where)
+        hybrid = hybrid_kind(d) or hybrid
+    needed = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") + \
+        (() if hybrid == "moe" else ("intermediate_size",))  # a Qwen3.5-MoE layer has no dense MLP
+    missing = [k for k in needed if k not in d]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
-    sizes = {k: positive(where, d, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                  "num_hidden_layers", "num_attention_heads")}
+    sizes = {k: positive(where, d, k) for k in needed}
+    if hybrid == "moe":
+        sizes["intermediate_size"] = positive(where, d, "intermediate_size", default=1) if \
+            d.get("intermediate_size") is not None else 0
     heads = sizes["num_attention_heads"]
     kv_heads = positive(where, d, "num_key_value_heads", default=heads) if d.get("num_key_value_heads") else heads
     if d.get("head_dim") is not None:
@@ -53,6 +94,15 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
     act = d.get("hidden_act", "silu")
     if act != "silu":  # every MLP here (and the drafter's) is SiLU-gated, as Qwen3's
         raise ValueError(f"{where}: hidden_act={act!r} is not supported (only 'silu', Qwen3's)")
+    head_dim = d.get("head_dim") or d["hidden_size"] // heads
+    common = dict(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=sizes["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, max_position_embeddings=max_positions,
+        tie_word_embeddings=d.get("tie_word_embeddings", False))
+    if hybrid:
+        return dict(common, **hybrid_fields(d, where, rope, head_dim), **(qwen3_5_moe_fields(d, where)
+                                                                         if hybrid == "moe" else {}))
     kinds = d.get("layer_types")
     if kinds is not None and (not isinstance(kinds, list) or set(kinds) - {"full_attention"}):
         raise ValueError(f"{where}: layer_types other than full_attention are not supported "
@@ -63,12 +113,58 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
                          f"dimension)")
     if moe is None:
         moe = d.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (d.get("architectures") or [])
-    return dict(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=eps, rope_theta=theta,
-        max_position_embeddings=max_positions, tie_word_embeddings=d.get("tie_word_embeddings", False),
-        **(moe_fields(d, where) if moe else {}))
+    return dict(common, **(moe_fields(d, where) if moe else {}))
+
+
+LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+def hybrid_fields(d: dict, where: str, rope: dict, head_dim: int) -> dict:
+    """The Qwen3.5 fields: which layers are Gated DeltaNet (layer_types, or every full_attention_interval-th
+    layer full attention, default 4), their sizes, the partial RoPE (default 0.25 of head_dim, as transformers),
+    zero-centred norms and the attention output gate (always on in Qwen3.5)."""
+    layers = d["num_hidden_layers"]
+    kinds = d.get("layer_types")
+    if kinds is None:
+        interval = positive(where, d, "full_attention_interval", default=4)
+        kinds = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers:
+        raise ValueError(f"{where}: layer_types must list one type per layer ({layers}), got {kinds!r}")
+    unknown = sorted(set(map(str, kinds)) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"{where}: unknown layer type(s) {unknown} in layer_types (supported: "
+                         f"{', '.join(LAYER_TYPES)})")
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
+        raise ValueError(f"{where}: partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+    rotary = int(head_dim * partial)
+    if rotary < 2 or rotary % 2:
+        raise ValueError(f"{where}: partial_rotary_factor={partial} of head_dim={head_dim} ropes {rotary} "
+                         f"dimensions; an even number >= 2 is needed")
+    if d.get("attn_output_gate", True) is not True:
+        raise ValueError(f"{where}: attn_output_gate={d['attn_output_gate']!r} is not supported (Qwen3.5's "
+                         f"attention is always gated)")
+    linear = {k: positive(where, d, k, default=default) for k, default in (
+        ("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128), ("linear_value_head_dim", 128),
+        ("linear_num_key_heads", 16), ("linear_num_value_heads", 32))}
+    if linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
+        raise ValueError(f"{where}: linear_num_value_heads={linear['linear_num_value_heads']} is not a multiple of "
+                         f"linear_num_key_heads={linear['linear_num_key_heads']}")
+    return dict(layer_types=tuple(kinds), partial_rotary_factor=float(partial), zero_centered_norm=True,
+                attn_output_gate=True, **linear)
+
+
+def qwen3_5_moe_fields(d: dict, where: str) -> dict:
+    """Qwen3.5-MoE: every layer sparse, top-k always renormalized, plus a shared expert gated by
+    sigmoid(shared_expert_gate(x)). transformers ignores decoder_sparse_step, mlp_only_layers and norm_topk_prob
+    here; a file that sets them to something else is refused rather than guessed at."""
+    if d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers") or d.get("norm_topk_prob", True) is not True:
+        raise ValueError(f"{where}: decoder_sparse_step / mlp_only_layers / norm_topk_prob other than 1 / [] / true "
+                         f"are not supported for qwen3_5_moe (transformers ignores them: every layer is sparse, "
+                         f"top-k renormalized)")
+    fields = moe_fields(dict(d, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]), where)
+    fields["shared_expert_intermediate_size"] = positive(where, d, "shared_expert_intermediate_size", default=512)
+    return fields
 
 
 def moe_fields(d: dict, where: str) -> dict:
@@ -163,8 +259,20 @@ def parse_device(device) -> torch.device:
 
 def check_qwen3_config(d: dict, where: str):
     model_type, archs = d.get("model_type"), d.get("architectures") or []
+    if hybrid_kind(d):
+        return
     if model_type not in ("qwen3", "qwen3_moe") and not {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(archs):
-        raise ValueError(f"{where}: not a Qwen3 checkpoint (model_type={model_type!r}, architectures={archs})")
+        raise ValueError(f"{where}: not a Qwen3 or Qwen3.5 checkpoint (model_type={model_type!r}, "
+                         f"architectures={archs})")
+
+
+def checkpoint_prefixes(d: dict) -> tuple[tuple, tuple]:
+    """(prefixes stripped from tensor names, prefixes of tensors skipped) for a target's config: Qwen3.5 files
+    keep the text model under model.language_model. (ForConditionalGeneration) or model. (ForCausalLM), and may
+    carry a vision tower (model.visual.*) and multi-token-prediction weights (mtp.*), which are not used."""
+    if hybrid_kind(d):
+        return ("model.language_model.", "model."), ("model.visual.", "mtp.", "model.mtp.")
+    return ("model.",), ()
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -184,21 +292,34 @@ def safetensors_files(path: str) -> list[str]:
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors is loaded)")
 
 
-def load_weights(model: nn.Module, path: str, strip_prefix: str, device, dtype, skip=frozenset()):
+def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device, dtype, skip=frozenset(),
+                 skip_prefixes: tuple = ()):
     """Stream every tensor from the safetensors files straight into `dtype` on `device`.
 
     The model was built on the meta device, so the only host copies are one tensor at a time: an 8B bf16
     checkpoint never materializes in fp32. A MoE checkpoint's per-expert tensors are copied into their slice of
-    the stacked expert weights as they are read (no second copy). Missing or unexpected tensors are errors, not
-    silent random weights.
+    the stacked expert weights as they are read (no second copy); a fused experts.gate_up_proj [E, 2I, H] is split
+    into the gate (first I rows) and up halves. Missing or unexpected tensors are errors, not silent random
+    weights. strip_prefix: one prefix or several (the first that matches is removed); tensors whose file name
+    starts with one of skip_prefixes are not read.
     """
+    prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix)
     wanted = {name: p for name, p in model.named_parameters()}
     wanted.update((name, b) for name, b in model.named_buffers() if name != "inv_freq")
     loaded, experts_read = {}, {}
     for file in safetensors_files(path):
-        for key, t in read_tensors(file):
-            name = key[len(strip_prefix):] if key.startswith(strip_prefix) else key
+        for key, t in read_tensors(file, skip_prefixes):
+            name = next((key[len(p):] for p in prefixes if key.startswith(p)), key)
             if name in skip or name.endswith("rotary_emb.inv_freq"):
+                continue
+            fused = FUSED_GATE_UP.match(name)
+            if fused and f"{fused[1]}.gate_proj" in wanted:  # [E, 2I, H]: gate rows first, then up
+                gate, up = f"{fused[1]}.gate_proj", f"{fused[1]}.up_proj"
+                shape = tuple(wanted[gate].shape)
+                if tuple(t.shape) != (shape[0], 2 * shape[1], shape[2]):
+                    raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
+                                     f"{(shape[0], 2 * shape[1], shape[2])}")
+                loaded[gate], loaded[up] = (h.to(device=device, dtype=dtype) for h in t.split(shape[1], dim=1))
                 continue
             expert = EXPERT_TENSOR.match(name)
             if expert:  # layers.{i}.mlp.experts.{e}.{proj}.weight -> slice e of layers.{i}.mlp.experts.{proj}
@@ -237,14 +358,18 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str, device, dtype, 
 
 
 EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
 
 
-def read_tensors(file: str):
-    """(name, tensor) pairs of one safetensors file, one tensor at a time; a file that is not valid safetensors
-    (truncated, empty, a corrupt header) is an error naming it."""
+def read_tensors(file: str, skip_prefixes: tuple = ()):
+    """(name, tensor) pairs of one safetensors file, one tensor at a time, leaving unread the tensors whose names
+    start with one of skip_prefixes; a file that is not valid safetensors (truncated, empty, a corrupt header) is
+    an error naming it."""
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
+                if skip_prefixes and key.startswith(skip_prefixes):
+                    continue
                 yield key, f.get_tensor(key)
     except (SafetensorError, OSError, RuntimeError) as e:
         raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None

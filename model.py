@@ -17,9 +17,9 @@ import torch._inductor.config  # read while tracing: frozen graphs keep their la
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from loading import (check_qwen3_config, config_fields, eos_ids_of, load_weights, parse_device, parse_dtype,
-                     read_json, resolve_checkpoint)
-from gated_delta import Recurrent  # noqa: F401  (re-exported: the engine builds one per forward)
+from gated_delta import GatedDeltaNet, Recurrent, commit_state, compute_dtype, conv_state_along
+from loading import (check_qwen3_config, checkpoint_prefixes, config_fields, eos_ids_of, load_weights, parse_device,
+                     parse_dtype, read_json, resolve_checkpoint, text_config)
 from moe import SparseMoE
 from tree_attn import flex_kernel_options, prefix_block_mask
 
@@ -50,10 +50,33 @@ class Qwen3Config:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
+    # Qwen3.5 / Qwen3.6 hybrids (transformers' qwen3_5, qwen3_5_moe). layer_types: "full_attention" or
+    # "linear_attention" (Gated DeltaNet, gated_delta.py) per layer; () = every layer full attention (Qwen3).
+    # Attention there ropes the first partial_rotary_factor * head_dim dimensions, gates its output with
+    # sigmoid of a second half of q_proj (attn_output_gate), and every RMSNorm but the Gated DeltaNet's own is
+    # zero-centred (x * (1 + w)). A Qwen3.5-MoE MLP adds a shared expert of shared_expert_intermediate_size.
+    layer_types: tuple = ()
+    partial_rotary_factor: float = 1.0
+    zero_centered_norm: bool = False
+    attn_output_gate: bool = False
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def sparse(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head that RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json", moe: bool | None = None) -> "Qwen3Config":
@@ -79,19 +102,40 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), all in float32 (float64 for a float64 model),
+    cast back at the end; the weight starts at 0."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        f = compute_dtype(x.dtype)
+        h = x.to(f)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1 + self.weight.to(f))).to(x.dtype)
+
+
 def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
-    """cos, sin [..., head_dim] for positions [...]."""
-    freqs = positions.float()[..., None] * inv_freq
+    """cos, sin [..., rotary dims] for positions [...] (angles in float32; float64 for a float64 model)."""
+    f = compute_dtype(dtype)
+    freqs = positions.to(f)[..., None] * inv_freq.to(f)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    """Rotate-half RoPE. x: [N, heads, Q, head_dim]; cos/sin: [N, 1, Q, head_dim] (or broadcastable to it)."""
+    """Rotate-half RoPE. x: [N, heads, Q, head_dim]; cos/sin: [N, 1, Q, rotary dims] (or broadcastable to it).
+    With fewer rotary dims than head_dim (partial RoPE), the first ones are rotated and the rest pass through."""
+    rot = cos.shape[-1]
+    if rot != x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -139,15 +183,19 @@ def run_layer(layer, x, cos, sin, cache_pos, mask):
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+    """Qwen3's attention; with gate=True (Qwen3.5) q_proj also gives a per-head output gate (each head's query
+    then its gate) and the output is o_proj(attention * sigmoid(gate)). `norm`: the q/k norm's class."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, gate: bool = False,
+                 norm=RMSNorm):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = Linear(hidden, heads * head_dim)
+        self.heads, self.kv_heads, self.head_dim, self.gate = heads, kv_heads, head_dim, gate
+        self.q_proj = Linear(hidden, heads * head_dim * (2 if gate else 1))
         self.k_proj = Linear(hidden, kv_heads * head_dim)
         self.v_proj = Linear(hidden, kv_heads * head_dim)
         self.o_proj = Linear(heads * head_dim, hidden)
-        self.q_norm = RMSNorm(head_dim, eps)
-        self.k_norm = RMSNorm(head_dim, eps)
+        self.q_norm = norm(head_dim, eps)
+        self.k_norm = norm(head_dim, eps)
         # Static K/V caches, registered as (non-persistent) buffers so CUDA graphs see fixed addresses.
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
@@ -168,10 +216,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache_pos, mask):
         n, q_len = x.shape[:2]
-        q = self.q_norm(self.q_proj(x).view(n, q_len, self.heads, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x)
+        if self.gate:
+            q, gate = q.view(n, q_len, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q.reshape(n, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         self.write_kv(x, cos, sin, cache_pos)
-        return self.o_proj(self.attend(q, mask, self.head_dim ** -0.5))
+        out = self.attend(q, mask, self.head_dim ** -0.5)
+        if self.gate:
+            out = out * torch.sigmoid(gate.reshape(n, q_len, self.heads * self.head_dim))
+        return self.o_proj(out)
 
     def attend(self, q, mask, scale):
         """q [N, H, Q, D] over this layer's caches under `mask`, as [N, Q, H * D]: the one attention seam (on a
@@ -207,22 +261,34 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """One pre-norm Qwen3 decoder layer (also the DFlash drafter's layer, whose attention differs only in K/V);
-    layer `index` of a Qwen3-MoE model may have the sparse MLP."""
+    layer `index` of a Qwen3-MoE model may have the sparse MLP. In a Qwen3.5 hybrid, a linear_attention layer
+    mixes with a Gated DeltaNet (`linear_attn`, taking the forward's Recurrent) instead of `self_attn`."""
 
     def __init__(self, c: Qwen3Config, index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                   c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        norm = ZeroCenteredRMSNorm if c.zero_centered_norm else RMSNorm
+        self.input_layernorm = norm(c.hidden_size, c.rms_norm_eps)
+        self.recurrent = c.layer_type(index) == "linear_attention"
+        if self.recurrent:
+            self.linear_attn = GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
+                                             c.linear_key_head_dim, c.linear_value_head_dim,
+                                             c.linear_conv_kernel_dim, c.rms_norm_eps, index)
+        else:
+            self.self_attn = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                       c.rms_norm_eps, gate=c.attn_output_gate, norm=norm)
+        self.post_attention_layernorm = norm(c.hidden_size, c.rms_norm_eps)
         if c.sparse(index):
             self.mlp = SparseMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                                 c.norm_topk_prob)
+                                 c.norm_topk_prob, shared_inter=c.shared_expert_intermediate_size)
         else:
             self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, cos, sin, cache_pos, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_pos, mask)
+    def forward(self, x, cos, sin, cache_pos, mask, recurrent=None):
+        h = self.input_layernorm(x)
+        if self.recurrent:
+            x = x + self.linear_attn(h, recurrent)
+        else:
+            x = x + self.self_attn(h, cos, sin, cache_pos, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -234,6 +300,8 @@ def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
     next batch at the full size, allocate nothing."""
     with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
         for layer in layers:
+            if not hasattr(layer, "self_attn"):  # a recurrent layer (Qwen3.5's Gated DeltaNet): no K/V
+                continue
             attn = layer.self_attn
             shape = (batch, attn.kv_heads, length, attn.head_dim)
             full = attn.kv_rows
@@ -246,8 +314,10 @@ def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
 
 
 def layer_kv_caches(layers):
-    """Each layer's K and V cache, in order."""
+    """Each attention layer's K and V cache, in order (recurrent layers have none)."""
     for layer in layers:
+        if not hasattr(layer, "self_attn"):
+            continue
         yield layer.self_attn.k_cache
         yield layer.self_attn.v_cache
 
@@ -259,11 +329,11 @@ class Qwen3(nn.Module):
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = (ZeroCenteredRMSNorm if c.zero_centered_norm else RMSNorm)(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, None), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(c.rotary_dim, c.rope_theta, None), persistent=False)
         self.eos_ids: list[int] = []
         self.path: str | None = None
 
@@ -276,33 +346,62 @@ class Qwen3(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def setup_cache(self, length: int, batch: int = 1):
-        """Allocate (or reuse) one K and one V buffer per layer for `batch` requests of `length` slots (a multiple
-        of 128)."""
+        """Allocate (or reuse) one K and one V buffer per attention layer for `batch` requests of `length` slots (a
+        multiple of 128), and per recurrent layer its conv state [batch, C, K - 1] (model dtype) and state
+        [batch, Hv, Dk, Dv] (float32; float64 for a float64 model), reused the same way."""
         allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
+        for m in self.recurrent_layers():
+            m.allocate(batch, self.dtype, self.device)
 
     def kv_caches(self):
         return layer_kv_caches(self.layers)
 
+    def recurrent_layers(self):
+        """The Gated DeltaNet modules, in layer order."""
+        return [layer.linear_attn for layer in self.layers if layer.recurrent]
+
     @property
     def recurrent(self) -> bool:
         """Whether the model has recurrent (Gated DeltaNet) layers."""
-        return False
+        return any(layer.recurrent for layer in self.layers)
 
     def reset_recurrent(self):
         """Zero every recurrent and conv state (before a new prompt's prefill)."""
+        for t in self.state_tensors():
+            t.zero_()
 
     def state_tensors(self):
-        """Every per-request recurrent tensor (request row = dim 0)."""
-        return iter(())
+        """Every per-request recurrent tensor (request row = dim 0): each recurrent layer's conv state, then its
+        state (after setup_cache)."""
+        for m in self.recurrent_layers():
+            yield m.conv_state
+            yield m.state
 
     def commit_recurrent(self, recurrent, path, length):
-        """The recurrent layers' states after the accepted path (a no-op without recurrent layers)."""
+        """After a tree verify (recurrent.pending filled): each recurrent layer's state := its state after the
+        accepted path, and its conv state := the last K - 1 inputs along it. path [N, D + 1]: accepted rows from
+        the root (entries past length ignored); length [N] >= 1 (counts the root). In place, static shapes, no host
+        read. A no-op for a model without recurrent layers."""
+        layers = self.recurrent_layers()
+        if not layers:
+            return
+        anc = recurrent.anc if recurrent.anc.dim() == 3 else recurrent.anc.expand(path.shape[0], -1, -1)
+        last = path.gather(1, (length - 1)[:, None])  # [N, 1]: the last accepted row
+        mask = anc.gather(1, last[:, :, None].expand(-1, 1, anc.shape[-1]))[:, 0]  # [N, R]: its path's rows
+        for m in layers:
+            mixed, k, u, G = recurrent.pending[m.index]
+            m.state.copy_(commit_state(m.state, k, u, G, mask))
+            m.conv_state.copy_(conv_state_along(mixed, m.conv_state, path, length))
 
     def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), recurrent=None):
         """tokens, input_pos, cache_pos: [N, Q] int64 (request n's rows, their RoPE positions and cache slots in
-        cache row n), or [Q] for one request. Returns (float32 logits [N, len(logits_rows) or Q, V], features
-        [N, Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers, concatenated; without the
-        leading N for 1-D input. logits_rows: [N, k] rows of each request to take logits of (or [k])."""
+        cache row n), or [Q] for one request. Returns (float32 logits [N, len(logits_rows) or Q, V] (float64 for a
+        float64 model), features [N, Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers,
+        concatenated; without the leading N for 1-D input. logits_rows: [N, k] rows of each request to take logits
+        of (or [k]). recurrent: a gated_delta.Recurrent for models with recurrent layers (Recurrent.chain(valid)
+        for a prefill chunk or decode step: their states advance in place over the valid rows;
+        Recurrent.tree(parents, anc) for a verify: states untouched, recurrent.pending filled for
+        commit_recurrent); None means a chain of all-valid rows. Models without recurrent layers ignore it."""
         if tokens.dim() == 1:
             rows = None if logits_rows is None else logits_rows[None]
             logits, features = self(tokens[None], input_pos[None], cache_pos[None], block_mask, rows, feature_layers,
@@ -312,14 +411,17 @@ class Qwen3(nn.Module):
         cos, sin = (t[:, None] for t in rope_cos_sin(input_pos, self.inv_freq, x.dtype))
         outputs, last = {}, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = run_layer(layer, x, cos, sin, cache_pos, block_mask)
+            if layer.recurrent:  # inlined: it takes the Recurrent object (its state updates in place)
+                x = layer(x, cos, sin, cache_pos, block_mask, recurrent)
+            else:
+                x = run_layer(layer, x, cos, sin, cache_pos, block_mask)
             if i in feature_layers:
                 # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
                 # read the last layer were trained on that: match it (docs/checkpoints.md, "context features").
                 outputs[i] = self.norm(x) if i == last else x
         if logits_rows is not None:
             x = x.gather(1, logits_rows[..., None].expand(-1, -1, x.shape[-1]))
-        logits = self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x)).to(compute_dtype(x.dtype))
         # In the listed order, repeats included: the drafter's fc columns follow its target_layer_ids list.
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return logits, features
@@ -331,15 +433,17 @@ class Qwen3(nn.Module):
         where = os.path.join(path, "config.json")
         check_qwen3_config(raw, where)
         config = Qwen3Config.from_dict(raw, where)
+        strip, skip_prefixes = checkpoint_prefixes(raw)
         device = parse_device(device)
         dtype = parse_dtype(dtype, device)
         with torch.device("meta"):
             model = cls(config)
         skip = {"lm_head.weight"} if config.tie_word_embeddings else set()
-        load_weights(model, path, strip_prefix="model.", device=device, dtype=dtype, skip=skip)
+        load_weights(model, path, strip_prefix=strip, device=device, dtype=dtype, skip=skip,
+                     skip_prefixes=skip_prefixes)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, device)
-        model.eos_ids = eos_ids_of(path, raw)
+        model.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta, device)
+        model.eos_ids = eos_ids_of(path, text_config(raw, where)[0])
         model.path = path
         return model.eval()

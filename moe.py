@@ -21,15 +21,18 @@ class SparseMoE(nn.Module):
       (zero where not chosen): each expert read once, at experts / top-k times the arithmetic of the pairs.
     """
 
-    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, norm_topk_prob: bool, shared_inter: int = 0):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        from model import Linear  # (model.py imports this file)
+        from model import MLP, Linear  # (model.py imports this file)
         self.gate = Linear(hidden, experts)  # the router
         self.experts = nn.Module()
         self.experts.gate_proj = nn.Parameter(torch.empty(experts, inter, hidden))
         self.experts.up_proj = nn.Parameter(torch.empty(experts, inter, hidden))
         self.experts.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+        if shared_inter:  # Qwen3.5-MoE: a shared SwiGLU expert for every row, scaled by sigmoid(shared_expert_gate(x))
+            self.shared_expert = MLP(hidden, shared_inter)
+            self.shared_expert_gate = Linear(hidden, 1)
 
     def route(self, x):
         """(expert ids [R, top_k], weights [R, top_k] in x's dtype), as Qwen3-MoE routes."""
@@ -44,7 +47,10 @@ class SparseMoE(nn.Module):
         ids, weights = self.route(x)
         path = expert_path(x.device.type, x.dtype, device_capability(x.device), x.shape[0] * self.top_k,
                            self.experts.gate_proj.shape[0])
-        return getattr(self, path)(x, ids, weights).view(shape)
+        out = getattr(self, path)(x, ids, weights)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
 
     def gathered(self, x, ids, weights):
         e = self.experts
@@ -52,7 +58,7 @@ class SparseMoE(nn.Module):
         xr = x.repeat_interleave(self.top_k, dim=0)  # [R * k, H], pair j = (row j // k, its j % k-th expert)
         h = F.silu(torch.einsum("ph,pih->pi", xr, e.gate_proj[flat])) * torch.einsum("ph,pih->pi", xr, e.up_proj[flat])
         out = torch.einsum("pi,phi->ph", h, e.down_proj[flat]) * weights.reshape(-1, 1)
-        return out.view(x.shape[0], self.top_k, -1).float().sum(1).to(x.dtype)
+        return out.view(x.shape[0], self.top_k, -1).to(torch.promote_types(x.dtype, torch.float32)).sum(1).to(x.dtype)
 
     def all_experts(self, x, ids, weights):
         e = self.experts
@@ -83,7 +89,7 @@ def combine_pairs(out, order, rows: int, top_k: int):
     from run to run."""
     pairs = torch.empty_like(out)
     pairs[order] = out  # a permutation: every slot written once
-    return pairs.view(rows, top_k, -1).float().sum(1)
+    return pairs.view(rows, top_k, -1).to(torch.promote_types(out.dtype, torch.float32)).sum(1)
 
 
 def expert_path(device_type: str, dtype, capability, pairs: int, experts: int) -> str:

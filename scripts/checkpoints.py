@@ -269,3 +269,92 @@ def load_train_state(run_dir: str, module: torch.nn.Module, optimizer: torch.opt
                 optimizer.state[p] = {k: (v.to(p.device) if k != "step" else v) for k, v in moments.items()}
     with open(json_file) as f:
         return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Qwen3.5 / Qwen3.6 hybrid targets (transformers' qwen3_5 and qwen3_5_moe), written by transformers itself
+
+
+def hybrid_text_config(moe: bool = False, **overrides) -> dict:
+    """A tiny Qwen3.5 text config (kwargs of transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig): 4 layers
+    (3 Gated DeltaNet, 1 gated attention with the default full_attention_interval 4), hidden 64, head_dim 32,
+    linear heads Hk = 2, Hv = 4 of 16 dims, kernel 4, a non-default rope_theta; MoE: 6 experts of 24, top 2, a
+    shared expert of 40."""
+    c = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=4096,
+             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "partial_rotary_factor": 0.25})
+    if moe:
+        c.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+    else:
+        c.update(intermediate_size=96)
+    c.update(overrides)
+    return c
+
+
+def random_hybrid_model(text: dict, moe: bool = False, seed: int = 0, std: float = 0.1):
+    """transformers' Qwen3_5ForCausalLM (or Qwen3_5MoeForCausalLM) for `text`, every parameter moved off its
+    initial value by N(0, std) noise (norm weights, A_log, dt_bias included: nothing sits at a convenient
+    default), in eval mode, float32, SDPA attention."""
+    import transformers
+    torch.manual_seed(seed)
+    if moe:
+        hf = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text))
+    else:
+        hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
+    with torch.no_grad():
+        for p in hf.parameters():  # tied embeddings are one parameter: perturbed once
+            p.add_(torch.randn_like(p) * std)
+    hf.config._attn_implementation = "sdpa"
+    return hf.eval()
+
+
+def tiny_vision_config(out_hidden: int) -> dict:
+    return dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=out_hidden, patch_size=4,
+                spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+
+
+def save_hybrid(hf, out_dir: str, layout: str = "causal_lm", max_shard_size: str = "5GB", mtp: bool = False):
+    """Write a hybrid model as a Hub checkpoint, with transformers' save_pretrained:
+    - layout "causal_lm": Qwen3_5ForCausalLM's own (text config at the top level, weights under model.*);
+    - layout "conditional_generation": the Hub's Qwen3_5ForConditionalGeneration (Qwen3_5MoeFor... for MoE) with a
+      tiny random vision tower (model.visual.*), the text config nested in text_config, the text weights under
+      model.language_model.*, lm_head.weight top level (absent when tied).
+    mtp=True adds multi-token-prediction tensors (mtp.*) as the released checkpoints carry (random; rewritten into
+    the last shard)."""
+    import transformers
+    from safetensors.torch import load_file
+    moe = type(hf).__name__.startswith("Qwen3_5Moe")
+    if layout == "causal_lm":
+        hf.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    elif layout == "conditional_generation":
+        text = hf.config.to_dict()
+        tie = text["tie_word_embeddings"]
+        classes = (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration) if moe else \
+            (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration)
+        config = classes[0](text_config=text, vision_config=tiny_vision_config(text["hidden_size"]),
+                            tie_word_embeddings=tie)
+        full = classes[1](config).eval()
+        missing, unexpected = full.model.language_model.load_state_dict(hf.model.state_dict(), strict=False)
+        assert not missing and not unexpected, (missing, unexpected)
+        if not tie:
+            full.lm_head.weight.data.copy_(hf.lm_head.weight.data)
+        full.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    if mtp:
+        files = sorted(f for f in os.listdir(out_dir) if f.endswith(".safetensors"))
+        file = os.path.join(out_dir, files[-1])
+        w = dict(load_file(file))
+        H = hf.config.hidden_size
+        g = torch.Generator().manual_seed(7)
+        w.update({"mtp.fc.weight": torch.randn(H, 2 * H, generator=g), "mtp.norm.weight": torch.randn(H, generator=g),
+                  "mtp.layers.0.input_layernorm.weight": torch.randn(H, generator=g)})
+        save_file(w, file, metadata={"format": "pt"})
+        index = os.path.join(out_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                idx = json.load(f)
+            idx["weight_map"].update({k: files[-1] for k in w if k.startswith("mtp.")})
+            write_json_file(index, idx)
