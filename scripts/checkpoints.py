@@ -296,7 +296,7 @@ def hybrid_text_config(moe: bool = False, **overrides) -> dict:
 def random_hybrid_model(text: dict, moe: bool = False, seed: int = 0, std: float = 0.1):
     """transformers' Qwen3_5ForCausalLM (or Qwen3_5MoeForCausalLM) for `text`, every parameter moved off its
     initial value by N(0, std) noise (norm weights, A_log, dt_bias included: nothing sits at a convenient
-    default), in eval mode, float32, SDPA attention."""
+    default), in eval mode, float32, SDPA attention, the eager expert loop."""
     import transformers
     torch.manual_seed(seed)
     if moe:
@@ -307,6 +307,7 @@ def random_hybrid_model(text: dict, moe: bool = False, seed: int = 0, std: float
         for p in hf.parameters():  # tied embeddings are one parameter: perturbed once
             p.add_(torch.randn_like(p) * std)
     hf.config._attn_implementation = "sdpa"
+    hf.config._experts_implementation = "eager"  # the per-expert loop: exact in any dtype (grouped_mm has no float64)
     return hf.eval()
 
 
