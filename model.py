@@ -5,7 +5,10 @@ verify: a node at depth d sits at position start + d but in slot start + row), a
 tree_attn.py (FlexAttention, or SDPA when the mask comes materialized), and returns float32 logits for the
 requested rows plus, on request, the outputs of chosen layers (the drafter's context features). Inputs carry a
 batch of independent requests (each with its own rows, positions, slots and cache row); the K/V cache is static,
-one buffer per layer with a row per request. The config, then the modules bottom-up; loading is loading.py.
+one buffer per layer with a row per request. Qwen3.5 / Qwen3.6 hybrids (docs/checkpoints.md) are the same class:
+their Gated DeltaNet layers (gated_delta.py) keep a recurrent state per request instead, and take a Recurrent
+saying which rows of the forward are a chain or a tree. The config, then the modules bottom-up; loading is
+loading.py.
 """
 
 import os

@@ -10,7 +10,8 @@ class SparseMoE(nn.Module):
     """Qwen3-MoE's MLP: a router picks num_experts_per_tok SwiGLU experts per row (softmax in float32, top-k,
     optionally renormalized), and the row's output is their routing-weighted sum. The experts' weights are stacked,
     one [experts, out, in] tensor per projection (the loader fills them expert by expert from the per-expert
-    tensors of the checkpoint).
+    tensors of the checkpoint). Qwen3.5-MoE (shared_inter > 0) adds a shared SwiGLU expert that every row goes
+    through, scaled by sigmoid(shared_expert_gate(x)).
 
     How rows meet their experts depends only on shapes, so it is fixed per compiled graph:
     - grouped GEMM (torch._grouped_mm: bf16 on CUDA sm90 / sm100): the (row, expert) pairs sorted by expert, two grouped
