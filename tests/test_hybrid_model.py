@@ -464,3 +464,19 @@ def test_chain_tree_and_commit_compile_fullgraph(ckpt):
     (a0, b0, s0), (a1, b1, s1) = results
     assert max_diff(a0, a1) < 1e-5 and max_diff(b0, b1) < 1e-5
     assert max(max_diff(x, y) for x, y in zip(s0, s1)) < 1e-5 and any(t.abs().max() > 0.1 for t in s0)
+
+
+def test_bf16_runs_with_float32_states(ckpt):
+    """bf16 weights and activations, the rule and its state in float32: close to transformers' float32 logits
+    (loose: bf16 keeps ~3 digits; a dtype slip in the rule or the norms is O(1) off or fails outright)."""
+    path, hf = ckpt("moe")
+    m = Qwen3.from_pretrained(path, device="cpu", dtype=torch.bfloat16)
+    m.setup_cache(CACHE, 2)
+    prompts = [rand_ids(21, 1), rand_ids(11, 2)]
+    logits, _ = prefill(m, prompts)
+    assert logits.dtype == torch.float32 and m.layers[0].linear_attn.state.dtype == torch.float32
+    ref = Reference(hf, torch.float32)
+    for n, p in enumerate(prompts):
+        r = ref(p)
+        assert max_diff(logits[n, :len(p)], r) < 0.1 * r.abs().max().item()
+        assert (logits[n, :len(p)].argmax(-1) == r.argmax(-1)).float().mean() >= 0.8
