@@ -467,8 +467,9 @@ def test_chain_tree_and_commit_compile_fullgraph(ckpt):
 
 
 def test_bf16_runs_with_float32_states(ckpt):
-    """bf16 weights and activations, the rule and its state in float32: close to transformers' float32 logits
-    (loose: bf16 keeps ~3 digits; a dtype slip in the rule or the norms is O(1) off or fails outright)."""
+    """bf16 weights and activations, the rule and its state in float32: close to transformers' float32 logits on
+    average (loose: bf16 keeps ~3 digits and a near-tie in the routing may pick another expert; a dtype slip in the
+    rule or the norms is O(1) off or fails outright)."""
     path, hf = ckpt("moe")
     m = Qwen3.from_pretrained(path, device="cpu", dtype=torch.bfloat16)
     m.setup_cache(CACHE, 2)
@@ -478,5 +479,7 @@ def test_bf16_runs_with_float32_states(ckpt):
     ref = Reference(hf, torch.float32)
     for n, p in enumerate(prompts):
         r = ref(p)
-        assert max_diff(logits[n, :len(p)], r) < 0.1 * r.abs().max().item()
+        err = (logits[n, :len(p)] - r).abs().mean().item()
+        # mean error / mean |logit|: measured 0.064 (transformers' own bf16 run of this checkpoint: 0.066)
+        assert err < 0.1 * r.abs().mean().item(), (err, r.abs().mean().item())
         assert (logits[n, :len(p)].argmax(-1) == r.argmax(-1)).float().mean() >= 0.8
