@@ -10,25 +10,23 @@ Three methods share one decoding loop:
           committed.
 Every method is lossless: greedy output equals plain greedy decoding, sampled output follows the target's law.
 
-Reading order: generate() (the loop) -> Engine.step (one round, its randomness and its one host read) ->
-Engine._round (five stages, each one call into the file that owns it: drafter.py, draft_tree.py + tree_attn.py,
-model.py, sampler.py, tree_attn.py) -> the engine's buffers and compile -> validation. The command line is
-cli.py; CPU-only speed is cpu_backend.py.
+Reading order: generate() -> Engine.step (one round, its randomness and its one host read) -> Engine._round
+(five stages, each one call into the file that owns it: drafter.py, draft_tree.py + tree_attn.py, model.py,
+sampler.py, tree_attn.py) -> the engine's buffers and compile. Around it, one concern per file: batch.py (the
+decoding loop, shrinking batches), budget.py (budget auto), settings.py (Speculation, argument checks), cli.py
+(the command line), cpu_backend.py (CPU-only speed), gated_delta.py (recurrent layers, docs/recurrent_tree.md).
 docs/round.md walks through one round with a picture of its tree and mask.
 """
 
 import contextlib
 import functools
-import numbers
 import os
-import reprlib
-import secrets
 import signal
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 quietly; main() takes over from there
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
@@ -36,19 +34,19 @@ if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 qui
 import torch  # noqa: E402
 
 import cpu_backend
+from batch import Result, batch_bucket, run_requests
 from budget import AUTO_BUDGETS, AutoBudget
 from draft_tree import accepted_within, ancestor_matrix, build_tree, build_tree_heap, chain_accepted
 from drafter import DFlashDrafter
-from model import Qwen3
+from model import Qwen3, Recurrent
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
+from settings import Speculation, check_request, check_speculation, verify_rows
 from tree_attn import PrefixMask, causal, compact_kv, round_up
 
 # Eager FlexAttention (eager engines on CUDA, EAGER_CPU_ATTENTION = "flex") warns that it materializes the scores:
 # it does, by design of the eager path; --compile is the fused kernel.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
-METHODS = ("ddtree", "dflash", "ar")
-DEFAULT_BUDGET = 512  # the paper's tree size
 # Prompt rows per target forward, fixed per device so that one compiled graph serves every prompt length. On the
 # CPU a chunk costs its rows' arithmetic; on a GPU a forward of a few hundred rows costs little more than one of
 # 128 (the weights' reads dominate), and a 30K-token prompt takes 59 forwards instead of 235.
@@ -57,23 +55,6 @@ PREFILL_CHUNKS = {"cuda": 512}
 EAGER_CPU_ATTENTION = "sdpa"  # eager CPU engines: "sdpa" (the mask materialized) or "flex" (eager FlexAttention)
 DEFAULT_TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-target")
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-draft")
-INT64_MAX = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class Speculation:
-    """How a speculative round drafts (dflash, ddtree); hashable, so it keys the engine cache with Sampling."""
-    budget: int | str | None = None  # ddtree: tree nodes per round, or "auto" (None for the chain: block_size - 1)
-    draft_temperature: float = 1.0  # ddtree: the drafter's temperature when building trees (1, as in the paper)
-    draft_sampling: bool = False  # dflash with sampling: sample the chain, verify with min(1, p/q)
-    denoise_steps: int = 1  # drafter passes per round
-
-
-@dataclass
-class Result:
-    tokens: list[int]
-    stats: dict = field(default_factory=dict)
-    trees: list = field(default_factory=list)  # with show_tree: (tokens, parents, depths, path, length) per round
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,85 +141,6 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     return results
 
 
-def run_requests(engine: "Engine", prompts: list, seeds: list, stop: set, max_new_tokens: int,
-                 on_tokens, engine_for=None, ended=None) -> list[Result]:
-    """Run one batch of requests on `engine` to the end: prefill, then rounds until every request has ended.
-    engine_for(batch): an engine of the same settings for a smaller batch. The rows of a request that has ended
-    still run (static shapes), so once the running requests fit a smaller power of two they move to such an
-    engine: a batch whose requests end at different rounds no longer runs every round at its starting size.
-    ended(i, Result): called as request i ends, its stats complete."""
-    compile_seconds = engine.warm_up()
-    t0, compiling = time.perf_counter(), 0.0  # compiling: seconds since t0 spent warming up smaller engines
-    results = [Result(tokens=[], stats=dict(accepted=[], verified=[], seed=seed)) for seed in seeds]
-    live = set(range(len(prompts)))
-    rows = list(range(len(prompts)))  # the request in each engine row
-
-    def emit_each(new_per_row, is_round=True):
-        for row, (new, tree) in enumerate(new_per_row[:len(rows)]):
-            i = rows[row]
-            if i not in live:
-                continue
-            r = results[i]
-            before = len(r.tokens)
-            done = emit(r.tokens, new, stop, max_new_tokens, on_tokens and (lambda kept: on_tokens(i, kept)))
-            if is_round:  # not the prefill's first token
-                r.stats["accepted"].append(len(r.tokens) - before)
-                r.stats["verified"].append(len(new))
-            if tree is not None:
-                r.trees.append(tree)
-            if done:
-                live.discard(i)
-                engine.finish(row)
-                s, rounds = r.stats, len(r.stats["accepted"])
-                s.update(seconds=time.perf_counter() - t0 - compiling, new_tokens=len(r.tokens), rounds=rounds,
-                         tau=sum(s["accepted"]) / rounds if rounds else 0.0, compile_seconds=compile_seconds,
-                         batch=len(prompts))
-                s["tokens_per_s"] = len(r.tokens) / s["seconds"] if s["seconds"] > 0 else 0.0
-                if ended is not None:
-                    ended(i, r)
-
-    emit_each([([t], None) for t in engine.start(prompts, seeds)], is_round=False)
-    while live:
-        emit_each(engine.step())
-        if engine_for is not None and live and batch_bucket(len(live), engine.batch) < engine.batch:
-            # A running request's caches hold its prompt and its tokens but the last (the next round's input).
-            committed = max(len(prompts[i]) + len(results[i].tokens) - 1 for i in live)
-            engine, rows, seconds = move_to_smaller(engine, engine_for, rows, live, committed)
-            compile_seconds, compiling = compile_seconds + seconds, compiling + seconds
-    return results
-
-
-def move_to_smaller(engine: "Engine", engine_for, rows: list, live: set, committed: int) -> tuple:
-    """Move the running requests (`live`; rows[r] is the request in engine row r; none has more than `committed`
-    tokens in the caches) to the engine for the next power of two that holds them. Returns that engine, its rows'
-    requests, and the seconds its warm-up took (compiling it, the first time), which the run's time leaves out."""
-    keep = [row for row, i in enumerate(rows) if i in live]
-    held = engine.take(keep, committed)
-    smaller = engine_for(batch_bucket(len(keep), engine.batch))
-    # A new engine's warm-up runs a dummy request in every row, over the first warm_up_slots() slots: those of the
-    # moved requests are kept aside meanwhile (a few hundred slots, not the whole context).
-    window = smaller.warm_up_slots() if not smaller.warm else 0
-    saved = [c[:len(keep), :, :window].clone() for c in smaller.kv_caches()] if window else []
-    seconds = smaller.warm_up()
-    for cache, rows_before in zip(smaller.kv_caches(), saved):
-        cache[:len(keep), :, :window] = rows_before
-    smaller.resume(held)
-    return smaller, [rows[row] for row in keep], seconds
-
-
-def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> bool:
-    """Append a round's tokens, cut after the first stop token or at the token limit; True when generation ends."""
-    kept = []
-    for t in new:
-        kept.append(t)
-        if t in stop or len(tokens) + len(kept) >= max_new_tokens:
-            break
-    tokens += kept
-    if on_tokens:
-        on_tokens(kept)
-    return kept[-1] in stop or len(tokens) >= max_new_tokens
-
-
 NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
               "dtype)")
 
@@ -271,6 +173,7 @@ class Engine:
                           [None] * (self.batch - n)
         self.live = torch.tensor([1] * n + [0] * (self.batch - n), device=self.device)
         prompts = list(prompts) + [[0]] * (self.batch - n)
+        self.target.reset_recurrent()  # a recurrent layer's state starts empty (K/V need no reset: masks)
         token, ok = self.prefill(prompts)
         out = torch.cat([token, ok.long()]).tolist()
         if not all(out[self.batch:self.batch + n]):
@@ -284,28 +187,6 @@ class Engine:
         committed length, and their results are dropped) and stops drawing randomness."""
         self.live[i] = 0
         self.generators[i] = None
-
-    def take(self, rows: list[int], slots: int) -> tuple:
-        """The running requests in `rows`, for an engine with a smaller batch (resume): their caches' first `slots`
-        slots (every request's committed ones: the rest are scratch) move to the caches' first rows, in place,
-        layer by layer (the smaller engine's caches are those rows); returns their next tokens, positions and
-        generators."""
-        index = torch.tensor(rows, device=self.device)
-        for cache in self.kv_caches():
-            cache[:len(rows), :, :slots] = cache[:, :, :slots].index_select(0, index)
-        return self.token[index], self.position[index], [self.generators[r] for r in rows]
-
-    def resume(self, held: tuple):
-        """Carry on the requests taken from another engine of these settings (take) as rows 0, 1, ...; the rows
-        past them are padding, as in start()."""
-        token, position, generators = held
-        n, pad = len(generators), self.batch - len(generators)
-        self.setup_caches()
-        self.guards_checked = False
-        self.token = torch.cat([token, token.new_zeros(pad)])
-        self.position = torch.cat([position, position.new_ones(pad)])  # a padding row's one-token dummy prompt
-        self.live = torch.tensor([1] * n + [0] * pad, device=self.device)
-        self.generators = generators + [None] * pad
 
     def setup_caches(self):
         """Size the models' caches for this engine. They are the models', shared by every engine: another engine,
@@ -367,13 +248,15 @@ class Engine:
         draft_logits = self.draft(bonus, start)
         # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
         tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
-        mask = self.tree_mask(start, parents)
-        # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors.
-        rows, positions, logits, features = self.verify(bonus, tokens, depths, start, mask)
+        mask, tree = self.tree_mask(start, parents)
+        # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors
+        # (recurrent layers: each row continues the committed state along its own path; docs/recurrent_tree.md).
+        rows, positions, logits, features = self.verify(bonus, tokens, depths, start, mask, tree)
         # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
         path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u)
-        # 5. Commit: the path's K/V to contiguous slots after the prefix, its features to the drafter's context.
-        self.commit(start, path, positions, features)
+        # 5. Commit: the path's K/V to contiguous slots after the prefix (recurrent layers: the state at its end),
+        # its features to the drafter's context.
+        self.commit(start, path, length, positions, features, tree)
         tree = (tokens, parents, depths, path) if self.show_tree else None
         tally = self.tally(draft_logits, tokens, path, length, next_token)
         return rows.gather(1, path), length, next_token, ok, tree, tally
@@ -396,14 +279,17 @@ class Engine:
         return draft_logits.argmax(-1), chain_parents, depths, None
 
     def tree_mask(self, start, parents):
-        return self.verify_mask.set(start, ancestor_matrix(parents, self.reach, dtype=torch.uint8))
+        """The verify mask (prefix + ancestors) and the tree as the recurrent layers take it."""
+        tree = Recurrent.tree(parents, ancestor_matrix(parents, self.reach, dtype=torch.uint8))
+        return self.verify_mask.set(start, tree.anc), tree
 
-    def verify(self, bonus, tokens, depths, start, mask):
+    def verify(self, bonus, tokens, depths, start, mask, tree=None):
         """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row."""
         rows = torch.cat([bonus[:, None], tokens], dim=1)
         positions = start[:, None] + torch.cat([depths[:, :1] * 0, depths], dim=1)
         slots = start[:, None] + torch.arange(self.nodes + 1, device=rows.device)
-        logits, features = self.target(rows, positions, slots, mask, feature_layers=self.feature_layers)
+        logits, features = self.target(rows, positions, slots, mask, feature_layers=self.feature_layers,
+                                       recurrent=tree)
         return rows, positions, logits, features
 
     def accept(self, logits, tokens, parents, q, noise, accept_u):
@@ -419,8 +305,9 @@ class Engine:
         choices, ok = self.pick(logits, noise)
         return (*walk_tree(parents, tokens, choices, self.reach), ok)
 
-    def commit(self, start, path, positions, features):
+    def commit(self, start, path, length, positions, features, tree):
         compact_kv(self.target.kv_caches(), start, path)
+        self.target.commit_recurrent(tree, path, length)
         picked = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
         self.extend_context(start, picked, positions.gather(1, path))
 
@@ -445,7 +332,8 @@ class Engine:
     def _decode(self, token, start, noise):
         """ar's round: the target over each request's last token; returns what _round does (the one committed row,
         length 1, the next token, soundness, no tree, no tally)."""
-        logits, _ = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start))
+        logits, _ = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start),
+                                recurrent=Recurrent.chain(torch.ones_like(start)))
         next_token, ok = self.pick(logits, noise)
         return token[:, None], torch.ones_like(start), next_token[:, 0], ok, None, None
 
@@ -476,7 +364,8 @@ class Engine:
             row = (last - start).clamp(0, chunk - 1)[:, None]
             # [N] starts: see PrefixMask.set. A materialized mask covers the slots the chunk can see, known here.
             slots = self.prefill_mask.visible_slots(max(starts) + start) if self.prefill_mask.dense else None
-            t, o = self.prefill_step(chunks[k], offsets + start, row, noise, slots)
+            valid = (lengths - start).clamp(0, chunk)  # rows past a prompt are padding (recurrent layers skip them)
+            t, o = self.prefill_step(chunks[k], offsets + start, row, valid, noise, slots)
             here = (last >= start) & (last < start + chunk)  # the chunk that holds the request's last row
             token, ok = torch.where(here, t[:, 0], token), torch.where(here, o, ok)
         return token, ok
@@ -488,16 +377,16 @@ class Engine:
         rounding; nothing is drawn from the requests' generators."""
         self.prefill([t or [0] for t in tokens], starts, draw=False)
 
-    def _prefill_step(self, tokens, start, last_row, noise, slots=None):
+    def _prefill_step(self, tokens, start, last_row, valid, noise, slots=None):
         """A chunk of prompt rows of every request at positions start.. (prefill_chunk rows; fewer with a
-        materialized mask, which takes the mask's first rows and covers `slots` KV slots). Returns the token after
-        each request's `last_row` [N, 1]."""
+        materialized mask, which takes the mask's first rows and covers `slots` KV slots), of which the first
+        `valid` [N] are the prompt's. Returns the token after each request's `last_row` [N, 1]."""
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         mask = self.prefill_mask.set(start, slots=slots)
         if self.prefill_mask.dense:
             mask = mask[:, :, :tokens.shape[1]]
         logits, features = self.target(tokens, positions, positions, mask, logits_rows=last_row,
-                                       feature_layers=self.feature_layers)
+                                       feature_layers=self.feature_layers, recurrent=Recurrent.chain(valid))
         if self.drafter is not None:  # the prompt is the drafter's first context
             self.drafter.append_context(features, positions, positions)
         return self.pick(logits, noise)
@@ -715,12 +604,6 @@ def auto_budgets(prompt_len: int, max_new_tokens: int, target) -> tuple:
     return tuple(b for b in AUTO_BUDGETS if b <= room)
 
 
-def batch_bucket(n: int, max_batch: int) -> int:
-    """The engine's batch size for n requests: the next power of two (at most max_batch), so that a handful of
-    compiled graphs serve every batch size."""
-    return min(1 << (n - 1).bit_length(), max_batch)
-
-
 def prefill_chunk(device_type: str) -> int:
     return PREFILL_CHUNKS.get(device_type, PREFILL_CHUNK)
 
@@ -734,155 +617,6 @@ def cache_length(prompt_len: int, max_new_tokens: int, method: str, spec: Specul
     chunk = prefill_chunk(device_type) if device_type else max(PREFILL_CHUNK, *PREFILL_CHUNKS.values())
     need = round_up(prompt_len, chunk) + max_new_tokens + scratch + 1
     return round_up(max(need, 1024), 1024)
-
-
-def verify_rows(method: str, spec: Speculation, drafter, auto=()) -> int:
-    """Rows of a verify: the bonus and the tree's nodes (ddtree; budget auto: its largest tree among `auto`) or the
-    chain's block_size - 1 drafts."""
-    if method != "ddtree":
-        return drafter.block_size
-    return 1 + max(max(auto, default=0), drafter.block_size - 1) if spec.budget == "auto" else 1 + spec.budget
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Validation
-#
-# The rule: input is checked once, at the boundary where it enters, and everything past the boundary assumes it
-# is valid. generate() checks its arguments (check_request); loading checks the checkpoint files (model.py,
-# drafter.py: config values and types, safetensors files, tensor names, shapes and dtypes, the target/drafter
-# fit); the command line checks what only it has (text to numbers, which options apply, the prompt's text) and
-# turns every ValueError / TypeError into one `error:` line, exit 2. The one check left inside the rounds is
-# what no boundary can foresee: non-finite logits or probabilities (Engine.pick).
-
-
-def check_speculation(method, sampling, budget, draft_temperature, draft_sampling, denoise_steps, show_tree):
-    """The method and its drafting settings checked, each against the method and the sampling (check_applies);
-    returns them as a Speculation."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    for name, value in (("draft_sampling", draft_sampling), ("show_tree", show_tree)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-    if budget is not None and not (isinstance(budget, str) and budget == "auto"):
-        if isinstance(budget, str):
-            raise ValueError(f"budget must be a positive integer or 'auto', got {budget!r}")
-        check_int("budget", budget, 1)
-    check_int("denoise_steps", denoise_steps, 1)
-    if isinstance(draft_temperature, bool) or not isinstance(draft_temperature, (int, float)):
-        raise TypeError(f"draft_temperature must be a number, got {draft_temperature!r}")
-    if not 0 < draft_temperature < float("inf") or draft_temperature > 1e300:
-        raise ValueError(f"draft_temperature must be a positive finite number, got {draft_temperature!r}")
-    given = dict(budget=budget is not None, draft_temperature=draft_temperature != 1, draft_sampling=draft_sampling,
-                 denoise_steps=denoise_steps != 1, show_tree=show_tree, top_k=sampling.top_k != 0,
-                 top_p=sampling.top_p != 1, min_p=sampling.min_p != 0)
-    check_applies(method, sampling.greedy, [name for name, g in given.items() if g])
-    return Speculation(budget=(DEFAULT_BUDGET if budget is None else budget) if method == "ddtree" else None,
-                       draft_temperature=float(draft_temperature), draft_sampling=draft_sampling,
-                       denoise_steps=denoise_steps)
-
-
-def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec, compile, on_tokens,
-                  max_batch):
-    """The requests checked against the models; returns the prompts as lists, one seed per prompt (None drawn
-    fresh from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs) and the
-    stop ids as a set. Errors about one of several prompts name it."""
-    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a list of prompts (each a list of token ids or a 1-D integer tensor), got "
-                        f"{reprlib.repr(prompts)}")
-    if not prompts:
-        raise ValueError("no prompts given")
-    single = len(prompts) == 1
-    seeds = [None] * len(prompts) if seeds is None else seeds
-    if not isinstance(seeds, (list, tuple)) or len(seeds) != len(prompts):
-        raise TypeError(f"seeds must be a list of one int (or None) per prompt, got {reprlib.repr(seeds)}")
-    checked, fresh = [], []
-    for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        name = "" if single else f"prompt {i}: "
-        try:
-            checked.append(check_prompt(prompt, target))
-            fresh.append(secrets.randbits(63) if seed is None else check_int("seed", seed, 0))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{name}{e}") from None
-    stop = check_stop_ids(target.eos_ids if stop_ids is None else stop_ids)
-    check_int("max_new_tokens", max_new_tokens, 1)
-    check_int("max_batch", max_batch, 1)
-    if not isinstance(compile, bool) and compile != "max-autotune":
-        raise TypeError(f"compile must be True, False or 'max-autotune', got {compile!r}")
-    if on_tokens is not None and not callable(on_tokens):
-        raise TypeError(f"on_tokens must be a function of (request index, list of token ids), got {on_tokens!r}")
-    longest = max(map(len, checked))
-    limit = target.config.max_position_embeddings
-    if longest + max_new_tokens > limit:
-        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"target's max_position_embeddings ({limit})")
-    if method != "ar":
-        if drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter")
-        drafter.bind(target)
-        if spec.denoise_steps > drafter.block_size - 1:
-            raise ValueError(f"denoise_steps {spec.denoise_steps} exceeds the drafter's {drafter.block_size - 1} "
-                             f"draft positions (each pass decides at least one)")
-        # A round writes its verified rows after the committed tokens; the cache holds at most
-        # max_position_embeddings slots (rounded up to the attention block).
-        rows = verify_rows(method, spec, drafter, AUTO_BUDGETS[:1])  # auto: its smallest tree must fit
-        if longest + max_new_tokens + rows > round_up(limit):
-            raise ValueError(f"budget {spec.budget} is beyond what the cache can hold: prompt ({longest}) + "
-                             f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
-    return checked, fresh, stop
-
-
-def applies(setting: str, method: str, greedy: bool) -> bool:
-    """Whether a setting can change a run of `method`: the one table behind refusing settings that do not apply."""
-    return {"budget": method == "ddtree", "draft_temperature": method == "ddtree",
-            "draft_sampling": method == "dflash" and not greedy, "draft": method != "ar",
-            "denoise_steps": method != "ar", "show_tree": method != "ar",
-            "top_k": not greedy, "top_p": not greedy, "min_p": not greedy}.get(setting, True)
-
-
-def check_applies(method: str, greedy: bool, given, spell=lambda name: name):
-    """Settings given that would change nothing are refused: a silently ignored setting reads as a wrong one."""
-    unused = [spell(name) for name in given if not applies(name, method, greedy)]
-    if unused:
-        mode = "greedy decoding (temperature 0)" if greedy else "sampling"
-        raise ValueError(f"{', '.join(unused)} does not apply to method {method!r} with {mode}")
-
-
-def is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_int(name: str, value, low: int, high: int = INT64_MAX) -> int:
-    if not is_int(value):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-    return int(value)
-
-
-def check_prompt(prompt_ids, target) -> list[int]:
-    """The prompt as a list of token ids in [0, vocab): a list or tuple of ints, or a 1-D integer tensor."""
-    if isinstance(prompt_ids, torch.Tensor):
-        if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex() or \
-                prompt_ids.dtype == torch.bool:
-            raise TypeError(f"prompt_ids must be a 1-D integer tensor, got {prompt_ids.dim()}-D {prompt_ids.dtype}")
-        prompt_ids = prompt_ids.tolist()
-    if isinstance(prompt_ids, (str, bytes)):
-        raise TypeError("prompt_ids must be token ids, not text: encode the text with the checkpoint's tokenizer")
-    if not isinstance(prompt_ids, (list, tuple)) or not all(is_int(t) for t in prompt_ids):
-        raise TypeError(f"prompt_ids must be a list of int token ids, got {reprlib.repr(prompt_ids)}")
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    vocab = target.config.vocab_size
-    if not all(0 <= t < vocab for t in prompt_ids):
-        raise ValueError(f"prompt ids must lie in [0, {vocab}) for this target")
-    return [int(t) for t in prompt_ids]
-
-
-def check_stop_ids(stop_ids) -> set[int]:
-    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (list, tuple, set, frozenset)) or \
-            not all(is_int(t) for t in stop_ids):
-        raise TypeError(f"stop_ids must be a list of int token ids, got {reprlib.repr(stop_ids)}")
-    return {int(t) for t in stop_ids}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -115,11 +115,11 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     # for constants, and FlexAttention then fails to lower (torch 2.13): the frozen verify stage builds its mask
     # from the parents inside, as the round does, so its time includes the mask's.
     if frozen:
-        masked = frozen_stage(lambda b, t, d, s, p: engine.verify(b, t, d, s, engine.tree_mask(s, p)))
+        masked = frozen_stage(lambda b, t, d, s, p: engine.verify(b, t, d, s, *engine.tree_mask(s, p)))
         verify = lambda b, t, d, s, p, mask: masked(b, t, d, s, p)  # noqa: E731
     else:
         forward = torch.compile(engine.verify, dynamic=False, fullgraph=True, mode=mode) if compile else engine.verify
-        verify = lambda b, t, d, s, p, mask: forward(b, t, d, s, mask)  # noqa: E731
+        verify = lambda b, t, d, s, p, mask: forward(b, t, d, s, *mask)  # noqa: E731
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,)).tolist()
     bonus, _ = engine.prefill([prompt])  # a batch of one request: every tensor below has a leading 1
     start = torch.tensor([prompt_len], device=dev)

@@ -15,7 +15,9 @@ import torch
 
 import ddtree
 from conftest import HostReads, assert_one_error_line, cli
-from ddtree import batch_bucket, generate, generate_batch
+import batch as batching
+from batch import batch_bucket
+from ddtree import generate, generate_batch
 from draft_tree import accepted_within
 from drafter import DFlashDrafter
 from model import Qwen3
@@ -99,9 +101,9 @@ def test_batch_shrinks_as_requests_end_and_each_request_stays_its_lone_run(pair,
     smaller batch sizes (8 -> 4 -> 2 -> 1 as they end); every request, greedy or seeded, is still its lone run."""
     target, drafter = pair
     resumed = []  # (the engine's batch, the requests it took over)
-    resume = ddtree.Engine.resume
-    monkeypatch.setattr(ddtree.Engine, "resume", lambda self, held: (resumed.append((self.batch, len(held[-1]))),
-                                                                    resume(self, held)))
+    resume = batching.resume
+    monkeypatch.setattr(batching, "resume", lambda engine, held: (resumed.append((engine.batch, len(held[-1]))),
+                                                               resume(engine, held)))
     prompts, seeds = ragged_prompts(7, seed=7), list(range(30, 37))
     run = lambda prompts, seeds: generate_batch(target, drafter, prompts, method=method, max_new_tokens=30,
                                                 seeds=seeds, stop_ids=[STOP], max_batch=8, **kw)
@@ -119,8 +121,8 @@ def test_batch_shrinks_as_requests_end_and_each_request_stays_its_lone_run(pair,
 def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(tmp_path, one_thread, monkeypatch):
     from torch._dynamo.utils import counters
     resumed = []
-    resume = ddtree.Engine.resume
-    monkeypatch.setattr(ddtree.Engine, "resume", lambda self, held: (resumed.append(self.batch), resume(self, held)))
+    resume = batching.resume
+    monkeypatch.setattr(batching, "resume", lambda engine, held: (resumed.append(engine.batch), resume(engine, held)))
     target, drafter = write_pair(tmp_path, target_layers=2, draft_layers=1)  # small graphs: compile time
     run = lambda prompts, compile: generate_batch(target, drafter, prompts, method="ddtree", budget=6,
                                                   max_new_tokens=16, stop_ids=[STOP], compile=compile)

@@ -154,7 +154,7 @@ def test_chat_template_renders_like_transformers(checkpoint):
 def test_cli_non_qwen3_checkpoint(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     code, _, err = cli(capsys, "--target", str(tmp_path), "--method", "ar", "--prompt", "hi")
-    assert code == 2 and "not a Qwen3 checkpoint" in err
+    assert code == 2 and "not a Qwen3" in err and "llama" in err
 
 
 def test_cli_process_exits_nonzero_without_traceback(checkpoint):

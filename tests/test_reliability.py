@@ -16,11 +16,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import ddtree
-import model
 from ddtree import generate
 from drafter import DFlashDrafter
 from model import Qwen3
+from settings import applies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -247,7 +246,7 @@ def generate_arguments(draw):
                                         optional={k: v for k, v in VALID.items() if k != "method"}))
     if draw(st.integers(0, 3)):
         greedy = kwargs.get("temperature", 0) == 0
-        kwargs = {k: v for k, v in kwargs.items() if ddtree.applies(k, kwargs.get("method", "ddtree"), greedy)}
+        kwargs = {k: v for k, v in kwargs.items() if applies(k, kwargs.get("method", "ddtree"), greedy)}
     bad = draw(st.sampled_from([None] * 12 + sorted(VALID) + sorted(BAD)))
     if bad is not None:
         value = draw(st.one_of(junk(), BAD[bad]) if bad in BAD else junk())
@@ -510,8 +509,8 @@ def cli_arguments(draw):
     flags = draw(st.lists(st.sampled_from(CLI_FLAGS), unique=True))
     if draw(st.integers(0, 3)):
         method, greedy = options.get("--method", "ddtree"), options.get("--temperature", "0") == "0"
-        options = {k: v for k, v in options.items() if ddtree.applies(k[2:].replace("-", "_"), method, greedy)}
-        flags = [f for f in flags if ddtree.applies(f[2:].replace("-", "_"), method, greedy)]
+        options = {k: v for k, v in options.items() if applies(k[2:].replace("-", "_"), method, greedy)}
+        flags = [f for f in flags if applies(f[2:].replace("-", "_"), method, greedy)]
     bad = draw(st.sampled_from([None] * 6 + sorted(CLI_VALID)))
     if bad is not None:
         options[bad] = draw(st.sampled_from(CLI_BAD))

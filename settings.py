@@ -1,0 +1,175 @@
+"""The settings of a run and their checks at the API's boundary.
+
+Speculation holds how a speculative round drafts (sampler.Sampling, how tokens are drawn). Input is checked once,
+where it enters, and everything past that boundary assumes it is valid: generate() and generate_batch() check
+their arguments here (check_speculation, check_request); loading checks the checkpoint files (loading.py,
+drafter.check_pair); the command line checks what only it has (text to numbers, which options apply, the
+prompt's text) and turns every ValueError / TypeError into one `error:` line, exit 2. The one check left inside
+the rounds is what no boundary can foresee: non-finite logits or probabilities (ddtree.Engine.pick).
+"""
+
+import numbers
+import reprlib
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from budget import AUTO_BUDGETS
+from tree_attn import round_up
+
+METHODS = ("ddtree", "dflash", "ar")
+DEFAULT_BUDGET = 512  # the paper's tree size
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a speculative round drafts (dflash, ddtree); hashable, so it keys the engine cache with Sampling."""
+    budget: int | str | None = None  # ddtree: tree nodes per round, or "auto" (None for the chain: block_size - 1)
+    draft_temperature: float = 1.0  # ddtree: the drafter's temperature when building trees (1, as in the paper)
+    draft_sampling: bool = False  # dflash with sampling: sample the chain, verify with min(1, p/q)
+    denoise_steps: int = 1  # drafter passes per round
+
+
+def verify_rows(method: str, spec: Speculation, drafter, auto=()) -> int:
+    """Rows of a verify: the bonus and the tree's nodes (ddtree; budget auto: its largest tree among `auto`) or the
+    chain's block_size - 1 drafts."""
+    if method != "ddtree":
+        return drafter.block_size
+    return 1 + max(max(auto, default=0), drafter.block_size - 1) if spec.budget == "auto" else 1 + spec.budget
+
+
+def check_speculation(method, sampling, budget, draft_temperature, draft_sampling, denoise_steps, show_tree):
+    """The method and its drafting settings checked, each against the method and the sampling (check_applies);
+    returns them as a Speculation."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    for name, value in (("draft_sampling", draft_sampling), ("show_tree", show_tree)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if budget is not None and not (isinstance(budget, str) and budget == "auto"):
+        if isinstance(budget, str):
+            raise ValueError(f"budget must be a positive integer or 'auto', got {budget!r}")
+        check_int("budget", budget, 1)
+    check_int("denoise_steps", denoise_steps, 1)
+    if isinstance(draft_temperature, bool) or not isinstance(draft_temperature, (int, float)):
+        raise TypeError(f"draft_temperature must be a number, got {draft_temperature!r}")
+    if not 0 < draft_temperature < float("inf") or draft_temperature > 1e300:
+        raise ValueError(f"draft_temperature must be a positive finite number, got {draft_temperature!r}")
+    given = dict(budget=budget is not None, draft_temperature=draft_temperature != 1, draft_sampling=draft_sampling,
+                 denoise_steps=denoise_steps != 1, show_tree=show_tree, top_k=sampling.top_k != 0,
+                 top_p=sampling.top_p != 1, min_p=sampling.min_p != 0)
+    check_applies(method, sampling.greedy, [name for name, g in given.items() if g])
+    return Speculation(budget=(DEFAULT_BUDGET if budget is None else budget) if method == "ddtree" else None,
+                       draft_temperature=float(draft_temperature), draft_sampling=draft_sampling,
+                       denoise_steps=denoise_steps)
+
+
+def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec, compile, on_tokens,
+                  max_batch):
+    """The requests checked against the models; returns the prompts as lists, one seed per prompt (None drawn
+    fresh from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs) and the
+    stop ids as a set. Errors about one of several prompts name it."""
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of prompts (each a list of token ids or a 1-D integer tensor), got "
+                        f"{reprlib.repr(prompts)}")
+    if not prompts:
+        raise ValueError("no prompts given")
+    single = len(prompts) == 1
+    seeds = [None] * len(prompts) if seeds is None else seeds
+    if not isinstance(seeds, (list, tuple)) or len(seeds) != len(prompts):
+        raise TypeError(f"seeds must be a list of one int (or None) per prompt, got {reprlib.repr(seeds)}")
+    checked, fresh = [], []
+    for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        name = "" if single else f"prompt {i}: "
+        try:
+            checked.append(check_prompt(prompt, target))
+            fresh.append(secrets.randbits(63) if seed is None else check_int("seed", seed, 0))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}{e}") from None
+    stop = check_stop_ids(target.eos_ids if stop_ids is None else stop_ids)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("max_batch", max_batch, 1)
+    if not isinstance(compile, bool) and compile != "max-autotune":
+        raise TypeError(f"compile must be True, False or 'max-autotune', got {compile!r}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise TypeError(f"on_tokens must be a function of (request index, list of token ids), got {on_tokens!r}")
+    longest = max(map(len, checked))
+    limit = target.config.max_position_embeddings
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"target's max_position_embeddings ({limit})")
+    if method != "ar":
+        if drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        drafter.bind(target)
+        if spec.budget == "auto" and target.recurrent:
+            # Its plain-decoding rounds leave the drafter behind, and catching up re-runs committed tokens through
+            # the target: a recurrent layer would apply them to its state twice.
+            raise ValueError("budget 'auto' does not support targets with recurrent (Gated DeltaNet) layers yet; "
+                             "give a number")
+        if spec.denoise_steps > drafter.block_size - 1:
+            raise ValueError(f"denoise_steps {spec.denoise_steps} exceeds the drafter's {drafter.block_size - 1} "
+                             f"draft positions (each pass decides at least one)")
+        # A round writes its verified rows after the committed tokens; the cache holds at most
+        # max_position_embeddings slots (rounded up to the attention block).
+        rows = verify_rows(method, spec, drafter, AUTO_BUDGETS[:1])  # auto: its smallest tree must fit
+        if longest + max_new_tokens + rows > round_up(limit):
+            raise ValueError(f"budget {spec.budget} is beyond what the cache can hold: prompt ({longest}) + "
+                             f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
+    return checked, fresh, stop
+
+
+def applies(setting: str, method: str, greedy: bool) -> bool:
+    """Whether a setting can change a run of `method`: the one table behind refusing settings that do not apply."""
+    return {"budget": method == "ddtree", "draft_temperature": method == "ddtree",
+            "draft_sampling": method == "dflash" and not greedy, "draft": method != "ar",
+            "denoise_steps": method != "ar", "show_tree": method != "ar",
+            "top_k": not greedy, "top_p": not greedy, "min_p": not greedy}.get(setting, True)
+
+
+def check_applies(method: str, greedy: bool, given, spell=lambda name: name):
+    """Settings given that would change nothing are refused: a silently ignored setting reads as a wrong one."""
+    unused = [spell(name) for name in given if not applies(name, method, greedy)]
+    if unused:
+        mode = "greedy decoding (temperature 0)" if greedy else "sampling"
+        raise ValueError(f"{', '.join(unused)} does not apply to method {method!r} with {mode}")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, low: int, high: int = INT64_MAX) -> int:
+    if not is_int(value):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return int(value)
+
+
+def check_prompt(prompt_ids, target) -> list[int]:
+    """The prompt as a list of token ids in [0, vocab): a list or tuple of ints, or a 1-D integer tensor."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex() or \
+                prompt_ids.dtype == torch.bool:
+            raise TypeError(f"prompt_ids must be a 1-D integer tensor, got {prompt_ids.dim()}-D {prompt_ids.dtype}")
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError("prompt_ids must be token ids, not text: encode the text with the checkpoint's tokenizer")
+    if not isinstance(prompt_ids, (list, tuple)) or not all(is_int(t) for t in prompt_ids):
+        raise TypeError(f"prompt_ids must be a list of int token ids, got {reprlib.repr(prompt_ids)}")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    vocab = target.config.vocab_size
+    if not all(0 <= t < vocab for t in prompt_ids):
+        raise ValueError(f"prompt ids must lie in [0, {vocab}) for this target")
+    return [int(t) for t in prompt_ids]
+
+
+def check_stop_ids(stop_ids) -> set[int]:
+    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (list, tuple, set, frozenset)) or \
+            not all(is_int(t) for t in stop_ids):
+        raise TypeError(f"stop_ids must be a list of int token ids, got {reprlib.repr(stop_ids)}")
+    return {int(t) for t in stop_ids}

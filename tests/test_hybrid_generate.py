@@ -1,0 +1,151 @@
+"""Hybrid targets end to end (Gated DeltaNet + gated attention, Qwen3.5's layout written by transformers): greedy
+ar equals transformers' greedy decoding; greedy dflash and ddtree equal ar token for token while accepting deep
+paths (so trees really run through the recurrent layers and commit their states); a batch equals its lone runs,
+greedy and seeded; compiled equals eager with one host read per round and no recompile; budget auto refuses."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from ddtree import generate, generate_batch
+from drafter import DFlashDrafter
+from model import Qwen3
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 4  # tiny, and a drafter of nearly flat laws: its trees hold most short paths, so deep ones get accepted
+
+
+def hybrid_config(interval: int = 2, layers: int = 4) -> "transformers.Qwen3_5TextConfig":
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=interval,
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+def random_hybrid(config, seed: int, std: float):
+    """transformers' model with every parameter random (norm weights and decay parameters away from their
+    initial values), in float64."""
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3_5ForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, std)
+            if name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0)  # decays exp(-exp(A_log) softplus(.)) from strong to mild
+    return hf
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    hf = random_hybrid(hybrid_config(), seed=0, std=0.35)
+    hf.save_pretrained(str(root / "target"))
+    tc = hf.config.to_dict()
+    dc = dflash_config({**tc, "rope_theta": 10000.0}, layers=2, block_size=6, target_layer_ids=[0, 1, 2])
+    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=3, std=0.05))
+    target = Qwen3.from_pretrained(str(root / "target"), device="cpu", dtype=torch.float64)
+    drafter = DFlashDrafter.from_pretrained(str(root / "draft"), device="cpu", dtype=torch.float64)
+    return hf, target, drafter, root
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def greedy(target, drafter, prompt, **kw):
+    return generate(target, drafter, prompt, max_new_tokens=kw.pop("max_new_tokens", 24), stop_ids=[], **kw)
+
+
+def transformers_greedy(hf, prompt, n):
+    """Greedy tokens from full forwards without a cache: the reference's plainest path. (Its cached `generate`
+    on these float64 checkpoints departs from its own uncached forward within a few tokens, while ours stays on
+    it.)"""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_hybrid_greedy_ar_equals_transformers(pair):
+    hf, target, _, _ = pair
+    for prompt in prompts(3, seed=1):
+        assert greedy(target, None, prompt, method="ar").tokens == transformers_greedy(hf, prompt, 24), prompt
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 4), ("ddtree", 64)])
+def test_hybrid_greedy_speculation_equals_ar_and_accepts_deep_paths(pair, method, budget):
+    _, target, drafter, _ = pair
+    deepest, rounds, new = 0, 0, 0
+    for prompt in prompts(3, seed=2):
+        ar = greedy(target, None, prompt, method="ar").tokens
+        res = greedy(target, drafter, prompt, method=method, budget=budget)
+        assert res.tokens == ar, (method, budget, prompt)
+        deepest, rounds, new = max(deepest, max(res.stats["accepted"])), rounds + res.stats["rounds"], \
+            new + res.stats["new_tokens"]
+    # a test whose trees never accept beyond the root would prove nothing about the recurrent commit
+    assert deepest >= 4, (method, budget, deepest)
+    print(f"{method} B={budget}: tau {new / rounds:.2f}, deepest path {deepest}")
+
+
+def test_hybrid_batch_equals_lone_runs(pair, monkeypatch):
+    """Requests of different lengths, ending at different rounds, in one batch that shrinks as they end (moving
+    their recurrent states with their cache rows) give their lone runs' tokens, greedy and seeded."""
+    import batch as batching
+    import ddtree
+    _, target, drafter, _ = pair
+    resumed = []
+    resume = batching.resume
+    monkeypatch.setattr(batching, "resume", lambda engine, held: (resumed.append(engine.batch), resume(engine, held)))
+    init, warmed = ddtree.Engine.__init__, []
+
+    def cold(engine, *args, **kwargs):  # every engine starts as a compiled one does: needing its warm-up, whose
+        init(engine, *args, **kwargs)   # dummy request runs in every row of the smaller engine mid-run
+        engine.warm = False
+        warm_up = engine.warm_up
+        engine.warm_up = lambda: (warmed.append(engine.batch), warm_up())[1]
+
+    ps = prompts(4, seed=4)
+    for kw in (dict(), dict(temperature=1.0, top_p=0.9)):
+        seeds = list(range(10, 14))
+        common = dict(method="ddtree", budget=8, max_new_tokens=30, stop_ids=[2], **kw)
+        lone = [generate(target, drafter, p, seed=s, **common).tokens for p, s in zip(ps, seeds)]
+        assert len({len(t) for t in lone}) > 1, lone  # they end at different rounds
+        for cold_engines in (False, True):
+            ddtree._ENGINES.clear()
+            if cold_engines:
+                monkeypatch.setattr(ddtree.Engine, "__init__", cold)
+            batch = generate_batch(target, drafter, ps, seeds=seeds, max_batch=4, **common)
+            assert [r.tokens for r in batch] == lone, (kw, cold_engines)
+        monkeypatch.setattr(ddtree.Engine, "__init__", init)
+    assert resumed, "the batch never shrank"
+    assert len(warmed) > 2, warmed  # smaller engines were warmed up mid-run
+
+
+def test_hybrid_budget_auto_is_refused(pair):
+    _, target, drafter, _ = pair
+    with pytest.raises(ValueError, match="recurrent"):
+        generate(target, drafter, [2, 3], method="ddtree", budget="auto", max_new_tokens=4)
+
+
+def test_hybrid_compiled_equals_eager_without_recompiles(pair, one_thread):
+    """The compiled round (trees through the recurrent layers, the commit inside it) gives eager's tokens, with one
+    host read per round, no graph break and no new graph after the first run."""
+    from conftest import compiled_equals_eager
+    root = pair[3]  # float32: compiled FlexAttention on the CPU takes no float64
+    target = Qwen3.from_pretrained(str(root / "target"), device="cpu")
+    drafter = DFlashDrafter.from_pretrained(str(root / "draft"), device="cpu")
+    cases = prompts(3, seed=6)
+    runs = compiled_equals_eager(lambda p, compile: greedy(target, drafter, p, method="ddtree", budget=16,
+                                                           compile=compile), cases)
+    assert max(max(r.stats["accepted"]) for r in runs) >= 3
