@@ -262,7 +262,9 @@ class Engine:
         return rows.gather(1, path), length, next_token, ok, tree, tally
 
     def draft(self, bonus, start):
-        return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.spec.denoise_steps, self.reach)
+        window_mask = None if self.draft_window_mask is None else self.draft_window_mask.set(start)
+        return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.spec.denoise_steps, self.reach,
+                                  window_mask)
 
     def propose(self, draft_logits, draft_noise):
         """(tokens, parents, depths, q), each [N, nodes]: the nodes in parent-first order; q the warped draft law
@@ -474,6 +476,11 @@ class Engine:
             self.reach = self.depth if tally_budgets else min(self.nodes, self.depth)
             self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch)
             self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
+            self.draft_window_mask = None  # the same for sliding-window layers (drafters of hybrid targets)
+            if drafter.config.sliding_window:
+                self.draft_window_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch,
+                                                    drafter.config.sliding_window)
+                self.draft_window_mask.allow.fill_(True)
             self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense, batch)
         self.prefill_step, self.round = self._prefill_step, (self._decode if method == "ar" else self._round)
         self.warm = not compile

@@ -37,13 +37,16 @@ class DFlashConfig:
     num_target_layers: int
     target_layer_ids: list[int]
     mask_token_id: int
+    windows: tuple = ()  # per layer: its sliding window (slots) or None (full attention); () = all full
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
         archs = d.get("architectures") or []
         if "DFlashDraftModel" not in archs:
             raise ValueError(f"{where}: not a DFlash drafter (architectures={archs}, expected DFlashDraftModel)")
-        model = Qwen3Config.from_dict(d, where, moe=False)  # the drafter is dense, whatever its target
+        windows = sliding_windows(d, where)
+        rest = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "use_sliding_window")}
+        model = Qwen3Config.from_dict(rest, where, moe=False)  # the drafter is dense, whatever its target
         dflash = d.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise ValueError(f"{where}: dflash_config must be a JSON object")
@@ -58,7 +61,32 @@ class DFlashConfig:
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError(f"{where}: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
         return cls(model=model, block_size=d["block_size"], num_target_layers=d["num_target_layers"],
-                   target_layer_ids=list(ids), mask_token_id=dflash["mask_token_id"])
+                   target_layer_ids=list(ids), mask_token_id=dflash["mask_token_id"], windows=windows)
+
+    @property
+    def sliding_window(self) -> int | None:
+        return next((w for w in self.windows if w is not None), None)
+
+
+def sliding_windows(d: dict, where: str) -> tuple:
+    """Per layer, the window of a "sliding_attention" layer (`sliding_window` slots) or None, from a z-lab config's
+    layer_types (drafters of hybrid targets); () when it names none. The window is applied as z-lab's flash-attention
+    path applies it: a block row sees the slots within sliding_window - 1 of its own (docs/checkpoints.md)."""
+    kinds = d.get("layer_types")
+    if kinds is None:
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{where}: use_sliding_window=true without layer_types is not supported")
+        return ()
+    layers = d.get("num_hidden_layers")
+    if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{where}: layer_types must list 'full_attention' or 'sliding_attention' for each of the "
+                         f"{layers} layers, got {kinds!r}")
+    if "sliding_attention" not in kinds:
+        return ()
+    window = d.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"{where}: sliding_attention layers need a positive integer sliding_window, got {window!r}")
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
 class DFlashDrafter(nn.Module):
@@ -67,6 +95,8 @@ class DFlashDrafter(nn.Module):
         self.config = config
         c = config.model
         self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
+        for i, layer in enumerate(self.layers):  # which of draft()'s masks each layer takes
+            layer.window = config.windows[i] if config.windows else None
         self.fc = Linear(len(config.target_layer_ids) * c.hidden_size, c.hidden_size)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -107,18 +137,18 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.write_kv(ctx, cos, sin, cache_pos)
 
-    def forward(self, block_tokens, positions, cache_pos, block_mask, rows: slice = slice(None)):
+    def forward(self, block_tokens, positions, cache_pos, block_mask, rows: slice = slice(None), window_mask=None):
         """One denoising pass over blocks [N, block_size] -> float32 logits [N, block_size, vocab] of the block's
         `rows` (row k predicts the token at position start + k; row 0 is the bonus's own row and is not a
-        prediction)."""
+        prediction). Sliding-window layers attend under `window_mask`, the rest under `block_mask`."""
         embed, lm_head = self.target_parts
         x = embed(block_tokens)
         cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, x.dtype))
         for layer in self.layers:
-            x = run_layer(layer, x, cos, sin, cache_pos, block_mask)
+            x = run_layer(layer, x, cos, sin, cache_pos, window_mask if layer.window else block_mask)
         return lm_head(self.norm(x[:, rows])).float()
 
-    def draft(self, bonus, start, block_mask, denoise_steps: int = 1, length: int | None = None):
+    def draft(self, bonus, start, block_mask, denoise_steps: int = 1, length: int | None = None, window_mask=None):
         """Per-position draft logits [N, length, vocab] for the first `length` (default and at most
         block_size - 1) positions after each request's bonus [N] at start [N]. A shorter length changes no logit:
         every row of the block still runs through every layer (the rows see each other), and only the unused
@@ -126,7 +156,8 @@ class DFlashDrafter(nn.Module):
         min(B, block_size - 1) of them.
 
         `block_mask` must let request n's block see slots [0, start[n] + block_size) (tree_attn.PrefixMask with
-        all-ones allow). With denoise_steps T > 1, each pass unmasks the most confident still-masked positions
+        all-ones allow); `window_mask`, for a drafter with sliding-window layers, the same with the drafter's
+        window (PrefixMask(window=config.sliding_window)). With denoise_steps T > 1, each pass unmasks the most confident still-masked positions
         (their argmax) and the next pass conditions on them; each position keeps the logits of the pass that
         decided it (the last pass for those still masked), so the draft is the same per-position form as with
         T = 1.
@@ -137,8 +168,8 @@ class DFlashDrafter(nn.Module):
         masks = torch.full((n, bs - 1), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
         tokens = torch.cat([bonus[:, None], masks], dim=1)
         if denoise_steps == 1:
-            return self(tokens, pos, pos, block_mask, rows=slice(1, 1 + length))
-        logits = self(tokens, pos, pos, block_mask)[:, 1:]
+            return self(tokens, pos, pos, block_mask, rows=slice(1, 1 + length), window_mask=window_mask)
+        logits = self(tokens, pos, pos, block_mask, window_mask=window_mask)[:, 1:]
         masked = torch.ones(n, bs - 1, dtype=torch.bool, device=bonus.device)
 
         def decided_after(passes):  # an equal share of the block is decided by each pass
@@ -150,7 +181,7 @@ class DFlashDrafter(nn.Module):
             chosen = torch.zeros_like(masked).scatter(1, confidence.topk(count, dim=-1).indices, True) & masked
             tokens = torch.cat([tokens[:, :1], torch.where(chosen, logits.argmax(-1), tokens[:, 1:])], dim=1)
             masked = masked & ~chosen
-            new = self(tokens, pos, pos, block_mask)[:, 1:]
+            new = self(tokens, pos, pos, block_mask, window_mask=window_mask)[:, 1:]
             logits = torch.where(masked[..., None], new, logits)
         return logits[:, :length]
 

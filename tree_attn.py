@@ -46,21 +46,27 @@ def flex_kernel_options(q_len: int, device_type: str) -> dict | None:
         "FORCE_USE_FLEX_ATTENTION": True}
 
 
-def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow, kv_len: int) -> BlockMask:
+def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow, kv_len: int,
+                      window: int | None = None) -> BlockMask:
     """PrefixMask's BlockMask from its tensors: row q of request b sees the slots before prefix[b] and, among the
-    rows written from prefix[b] on, those that allow[b, q] marks. Also what a compiled layer rebuilds its mask with
-    (model.run_layer), so that the mask reaches it as tensors."""
+    rows written from prefix[b] on, those that allow[b, q] marks; with a `window`, only the slots within
+    window - 1 of its own slot prefix[b] + q (a sliding-window layer). Also what a compiled layer rebuilds its mask
+    with (model.run_layer), so that the mask reaches it as tensors."""
     q_len = allow.shape[-1]
     last = q_len - 1
 
     def mask_mod(b, h, q, kv):
         rel = kv - prefix[b]
         new = (rel >= 0) & (rel <= last)
-        return (kv < prefix[b]) | (new & (allow[b, q.clamp(0, last), rel.clamp(0, last)] != 0))
+        seen = (kv < prefix[b]) | (new & (allow[b, q.clamp(0, last), rel.clamp(0, last)] != 0))
+        if window is None:
+            return seen
+        return seen & (rel - q > -window) & (rel - q < window)
 
     block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_num, full_idx, BLOCK_SIZE=BLOCK,
                                           mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
     block_mask.prefix_tensors = (kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow)
+    block_mask.window = window
     return block_mask
 
 
@@ -69,11 +75,13 @@ class PrefixMask:
     requests at once: request n has its own prefix[n] and allow[n] (one cache row each). `set` returns what the
     attention layers take: the BlockMask (FlexAttention), or with dense=True the same mask as a boolean
     [batch, 1, q_len, slots] tensor over the KV slots it visits (SDPA: eager FlexAttention on the CPU runs a
-    vmapped math fallback)."""
+    vmapped math fallback). With a `window` (a sliding-window layer), a row sees only the slots within
+    window - 1 of its own."""
 
-    def __init__(self, q_len: int, kv_len: int, device, dense: bool = False, batch: int = 1):
+    def __init__(self, q_len: int, kv_len: int, device, dense: bool = False, batch: int = 1,
+                 window: int | None = None):
         assert kv_len % BLOCK == 0, "cache length must be a multiple of the FlexAttention block"
-        self.q_len, self.kv_len, self.dense = q_len, kv_len, dense
+        self.q_len, self.kv_len, self.dense, self.window = q_len, kv_len, dense, window
         self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
         # Bytes, not bool: the round rewrites this matrix, and inductor's CPU code writes bool tensors many times
         # slower than bytes (docs/compile.md, "allow matrix as bytes"). Nonzero = allowed. The compiled round
@@ -96,7 +104,7 @@ class PrefixMask:
         for t in (self.prefix, self.allow, self.kv_num_blocks, self.kv_indices, self.full_num):
             torch._dynamo.mark_static_address(t)
         self.block_mask = prefix_block_mask(self.kv_num_blocks, self.kv_indices, self.full_num, full_idx,
-                                            self.prefix, self.allow, kv_len)
+                                            self.prefix, self.allow, kv_len, window)
         self.mask_mod = self.block_mask.mask_mod
 
     def set(self, prefix, allow: torch.Tensor | None = None, slots: int | None = None):
@@ -113,12 +121,17 @@ class PrefixMask:
             # elementwise ops (NoValidChoicesError: "Pointwise" has no name), e.g. an even number of doublings.
             self.allow.copy_(allow.as_strided(allow.shape, allow.stride()))
         # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len), per request; those below
-        # the prefix as full blocks.
-        full = (self.prefix // BLOCK).clamp(max=self.n_kv).to(torch.int32)
+        # the prefix as full blocks. A window's rows see less, each its own span: every block from that of the
+        # first row's lowest slot on goes through the mask_mod.
         end = ((self.prefix + self.q_len + BLOCK - 1) // BLOCK).clamp(max=self.n_kv).to(torch.int32)
+        if self.window is None:
+            full = first = (self.prefix // BLOCK).clamp(max=self.n_kv).to(torch.int32)
+        else:
+            first = ((self.prefix - self.window + 1).clamp(min=0) // BLOCK).clamp(max=self.n_kv).to(torch.int32)
+            full = first * 0
         self.full_num.copy_(full[:, None, None].expand_as(self.full_num))
-        self.kv_num_blocks.copy_((end - full)[:, None, None].expand_as(self.kv_num_blocks))
-        masked = (self.blocks + full[:, None]).clamp(max=self.n_kv - 1)
+        self.kv_num_blocks.copy_((end - first)[:, None, None].expand_as(self.kv_num_blocks))
+        masked = (self.blocks + first[:, None]).clamp(max=self.n_kv - 1)
         self.kv_indices.copy_(masked[:, None, None].expand_as(self.kv_indices))
         return dense_mask(self.block_mask, slots) if self.dense else self.block_mask
 
@@ -129,11 +142,13 @@ class PrefixMask:
 
 def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor:
     """A PrefixMask's BlockMask as a boolean [batch, 1, q_len, kv_len] tensor, its mask_mod evaluated by
-    broadcasting (it is plain elementwise tensor code). kv_len defaults to the slots of the KV blocks the longest
-    request visits, full or not, which are blocks 0, 1, ... in order (one host read)."""
+    broadcasting (it is plain elementwise tensor code). kv_len defaults to the slots up to the last KV block any
+    request visits (one host read)."""
     q_len, full = block_mask.seq_lengths
     if kv_len is None:
-        blocks = block_mask.kv_num_blocks + block_mask.full_kv_num_blocks
+        visited = block_mask.kv_num_blocks.long()
+        last = block_mask.kv_indices.gather(-1, (visited - 1).clamp(min=0)[..., None])[..., 0] + 1
+        blocks = torch.maximum(torch.where(visited > 0, last, 0), block_mask.full_kv_num_blocks)
         kv_len = min(full, int(blocks.max()) * block_mask.BLOCK_SIZE[1])
     device = block_mask.kv_indices.device
     b = torch.arange(block_mask.kv_indices.shape[0], device=device)[:, None, None, None]

@@ -359,3 +359,41 @@ def test_guards_are_checked_at_each_runs_first_step(files, models, tmp_path, mon
     skipped.clear()
     greedy(other, None, prompt, method="ar", max_new_tokens=16)
     assert skipped == []
+
+
+def test_sliding_window_drafter_layers_see_only_their_window(files, models, tmp_path):
+    """A z-lab config whose layer_types name sliding_attention layers (drafters of hybrid targets): those layers'
+    block rows see only the slots within sliding_window - 1 of their own, the others everything, as masks written
+    by hand give; the window changes the drafts once the context outgrows it; generation stays lossless."""
+    from sampler import Sampling
+    paths, tc = files
+    target, _ = models
+    window = 6
+    dc = dflash_config(tc, layers=2, block_size=5, target_layer_ids=[0, 2])
+    weights = random_dflash_weights(dc, seed=11, std=0.35)
+    save_checkpoint(str(tmp_path / "plain"), dc, weights)
+    save_checkpoint(str(tmp_path / "windowed"), {**dc, "layer_types": ["sliding_attention", "full_attention"],
+                                                 "sliding_window": window}, weights)
+    plain, windowed = (DFlashDrafter.from_pretrained(str(tmp_path / name), device="cpu") for name in ("plain",
+                                                                                                       "windowed"))
+    assert windowed.config.windows == (window, None) and plain.config.windows == ()
+    prompt = torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+    drafts = {}
+    with torch.inference_mode():
+        for name, drafter in (("plain", plain), ("windowed", windowed)):
+            drafter.bind(target)
+            engine = Engine(target, drafter, "ddtree", Sampling(), Speculation(budget=4), 1024, False)
+            bonus = torch.tensor(engine.start([prompt], [0]))
+            start = torch.tensor([len(prompt)])
+            drafts[name] = engine.draft(bonus, start)
+        # the reference: the block's masks written out, the attention SDPA's
+        bs = windowed.block_size
+        slots, own = torch.arange(1024)[None, :], len(prompt) + torch.arange(bs)[:, None]
+        full = (slots < len(prompt) + bs)[None, None]
+        near = full & ((slots - own).abs() < window)[None, None]
+        tokens = torch.cat([bonus[:, None], torch.full((1, bs - 1), windowed.config.mask_token_id)], 1)
+        ref = windowed(tokens, own.T, own.T, full, rows=slice(1, None), window_mask=near)
+    torch.testing.assert_close(drafts["windowed"], ref[:, :drafts["windowed"].shape[1]], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(drafts["windowed"], drafts["plain"], atol=1e-3)
+    ar = ar_tokens(target, prompt)
+    assert greedy(target, windowed, prompt, method="ddtree", budget=8).tokens == ar

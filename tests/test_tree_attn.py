@@ -192,3 +192,47 @@ def test_flex_kernel_options_send_every_multi_row_cuda_call_to_the_main_kernel()
             if q_len == 1:  # the decoding kernel's tile (inductor's rule) fits the mask's query block
                 for group in (1, 2, 4, 8):
                     assert BLOCK % max(next_power_of_2(q_len * group), 16) == 0
+
+
+def explicit_window_mask(prefix, allow, q_len, window):
+    """A sliding-window layer's mask by hand: row i (slot prefix + i) sees slot s when the plain mask lets it and
+    |s - (prefix + i)| < window (flash-attention's window_size = (window - 1, window - 1))."""
+    slot = torch.arange(KV_LEN)[None, :]
+    own = prefix + torch.arange(q_len)[:, None]
+    return explicit_mask(prefix, allow, q_len) & ((slot - own).abs() < window)
+
+
+@settings(deadline=None, max_examples=30)
+@given(q_len=st.integers(1, 16), window=st.integers(1, 300), prefix=st.integers(0, 230), seed=st.integers(0, 10**6))
+def test_sliding_window_mask_equals_dense_sdpa(q_len, window, prefix, seed):
+    prefix = min(prefix, KV_LEN - q_len)
+    allow = torch.ones(q_len, q_len, dtype=torch.bool)  # the drafter's block sees itself
+    mask = PrefixMask(q_len, KV_LEN, "cpu", window=window)
+    block_mask = mask.set(prefix, allow)
+    dense = explicit_window_mask(prefix, allow, q_len, window)
+    assert torch.equal(dense_mask(mask.block_mask, KV_LEN)[0, 0], dense)
+    # the blocks visited hold every visible slot, and the dense path covers them
+    as_sdpa = PrefixMask(q_len, KV_LEN, "cpu", dense=True, window=window).set(prefix, allow)[0, 0]
+    assert torch.equal(as_sdpa, dense[:, :as_sdpa.shape[1]]) and not dense[:, as_sdpa.shape[1]:].any()
+    q, k, v = qkv(q_len, seed)
+    out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(out, sdpa_reference(q, k, v, dense), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_sliding_window_attention_matches_sdpa_without_recompiles():
+    from torch._dynamo.utils import counters
+    q_len, window = 8, 150
+    mask = PrefixMask(q_len, KV_LEN, "cpu", window=window)
+    mask.allow.fill_(True)
+    attend = torch.compile(lambda q, k, v, prefix: flex_attention(q, k, v, block_mask=mask.set(prefix),
+                                                                  enable_gqa=True), dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        for round_, prefix in enumerate((0, 5, 140, 149, 151, 200, 248)):  # windows reaching block 0, then past it
+            if round_ == 1:
+                counters.clear()
+            q, k, v = qkv(q_len, seed=round_)
+            out = attend(q, k, v, torch.tensor([prefix]))
+            ref = sdpa_reference(q, k, v, explicit_window_mask(prefix, torch.ones(q_len, q_len, dtype=torch.bool),
+                                                               q_len, window))
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 0 and not counters["recompiles"], dict(counters["stats"])
