@@ -3,6 +3,7 @@
 One call answers everything it reaches, whatever fails inside it.
 
     python scripts/gpu_check.py --json out/gpu_check.json                 # on the GPU machine
+    python scripts/gpu_check.py --parts hybrid --json out/hybrid.json     # one part alone (each fits a run)
     python scripts/gpu_check.py --device cpu --small --eager --json PATH   # the script itself, on a CPU (a test)
 
 Parts, in this order (--parts picks some):
@@ -17,6 +18,10 @@ Parts, in this order (--parts picks some):
   the round with and without layers compiled once; tree building alone;
 - moe: a Qwen3-30B-A3B-shaped target (built after the dense pair is freed): the expert paths against each other,
   the AR step beside its active weights' floor, the verify forward per budget;
+- hybrid: a Qwen3.5-27B-shaped hybrid target (built after the MoE target and every compiled graph are freed; 54 GB
+  in bf16): the AR step beside its floor (weights and recurrent states per token; eager, compiled, CUDA graphs) and
+  the verify forward per budget through the Gated DeltaNet layers' tree form (bench_hybrid.tree_verify), with its
+  extra peak device memory;
 - flex (last, a diagnostic): compiled FlexAttention under the engine's masks against SDPA with the mask written
   out, per query length and GQA ratio, with the engine's kernel options (--flex-all: more lengths, and inductor's
   default options beside ours).
@@ -29,6 +34,7 @@ graph (the first compiled AR step's), end before --deadline.
 
 import argparse
 import contextlib
+import gc
 import itertools
 import os
 import subprocess
@@ -42,6 +48,7 @@ from torch._dynamo.utils import counters
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from bench_hybrid import tree_verify  # noqa: E402
 from benchlib import (batched_run, round_header, round_row, round_split, sync, timed, tree_alone,  # noqa: E402
                       verify_ms, write_json)
 import ddtree  # noqa: E402
@@ -66,16 +73,42 @@ QWEN3_30B_A3B = dict(QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_hid
 SMALL_MOE = dict(SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
 
 
+def hybrid_layer_types(layers: int, interval: int = 4) -> tuple:
+    """Qwen3.5's layout: every interval-th layer full attention, the others Gated DeltaNet."""
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
+
+
+# Qwen3.5-27B's text config (Qwen/Qwen3.5-27B, text_config), as public material agrees on it (the Hub itself is
+# out of reach here): THUDM/slime's Megatron arguments for it, ports of it and their config fixtures: 64 layers, 48 Gated DeltaNet and 16 gated
+# full attention (full_attention_interval 4); hidden 5120, MLP 17408; attention 24 heads of 256, 4 KV heads, a
+# quarter of each head roped (theta 1e7), output gate; Gated DeltaNet 16 key heads and 48 value heads of 128, conv
+# kernel 4; vocabulary 248320, untied embeddings. 26.9 B parameters: 53.8 GB in bf16. (The MTP head and the
+# vision tower of the released checkpoint are not part of the text model's forward.)
+QWEN3_5_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                   num_attention_heads=24, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7,
+                   max_position_embeddings=262144, tie_word_embeddings=False, layer_types=hybrid_layer_types(64),
+                   partial_rotary_factor=0.25, zero_centered_norm=True, attn_output_gate=True,
+                   linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                   linear_num_key_heads=16, linear_num_value_heads=48)
+# --small: the same layout at the bundled pair's width (scripts/bench_hybrid.py's hybrid).
+SMALL_HYBRID = dict(QWEN3_5_27B, **{k: SMALL[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                          "num_hidden_layers", "num_attention_heads",
+                                                          "num_key_value_heads", "head_dim")},
+                    layer_types=hybrid_layer_types(4), linear_key_head_dim=64, linear_value_head_dim=64,
+                    linear_num_key_heads=2, linear_num_value_heads=4)
+
+
 def random_init(module, device, dtype, config):
-    """Materialize a meta-built module on the device with small random weights (norm weights 1)."""
+    """Materialize a meta-built module on the device with small random weights (norm weights 1: the identity;
+    0 for a hybrid's zero-centred norms, x * (1 + w), all but its Gated DeltaNet's own norm)."""
     module.to_empty(device=device)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if config.zero_centered_norm and "linear_attn." not in name else 1.0)
             else:
                 p.normal_(0, 0.02)
-    module.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, device)
+    module.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta, device)
     return module.to(dtype).eval()
 
 
@@ -585,12 +618,85 @@ def moe_sections(c: Check, bandwidth):
         c.run(f"MoE verify B={budget}", lambda: verify(budget), graphs=1)
 
 
+# ------------------------------------------------------------------------------------------------------ hybrid
+
+
+def free_models(c: Check):
+    """The previous part's models and compiled graphs go (cached engines, dynamo's code caches, CUDA graph trees
+    and their pools), so that the next part's target takes their place on the device."""
+    ddtree._ENGINES.clear()
+    torch._dynamo.reset()
+    gc.collect()
+    if c.device.type == "cuda":
+        torch.cuda.empty_cache()
+        c.say(f"device memory after freeing: {torch.cuda.memory_allocated() / 1e9:.2f} GB allocated, "
+              f"{torch.cuda.memory_reserved() / 1e9:.2f} GB reserved")
+
+
+def build_hybrid_target(shape, device, dtype):
+    """A Qwen3.5 hybrid target with random weights on the device; returns it with its weights' bytes and the bytes
+    of its recurrent states per request (float32 states [Hv, Dk, Dv] and the conv states, per Gated DeltaNet layer),
+    which a decode step reads and writes back."""
+    c = Qwen3Config(**shape)
+    with torch.device("meta"):
+        target = Qwen3(c)
+    target = random_init(target, device, dtype, c)
+    target.setup_cache(1024)
+    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    states = sum(t.numel() * t.element_size() for t in target.state_tensors())
+    return target, weights, states
+
+
+def hybrid_sections(c: Check, bandwidth):
+    """The Qwen3.5-27B-shaped hybrid: the AR step beside its floor (weights plus the recurrent states read and
+    written back per token, over the copy bandwidth; the attention layers' K/V at context 512, 34 MB, left out),
+    eager, compiled and with CUDA graphs as the dense part runs it; then the verify forward per --hybrid-budgets,
+    compiled as the engine compiles it, with the recurrent layers in tree mode (the ancestor-masked WY form: a
+    few [H, R, R] matrices per layer, no state per tree row), its time beside the AR step and its extra peak
+    device memory over what the target and its caches hold."""
+    target, weights, states = build_hybrid_target(SMALL_HYBRID if c.a.small else QWEN3_5_27B, c.device, c.dtype)
+    floor_ms = (weights + 2 * states) / bandwidth * 1e3
+    per_node = sum(m.value_heads * m.key_dim * m.value_dim * 4 for m in target.recurrent_layers())
+    hy = c.out["hybrid"] = dict(weight_gb=weights / 1e9, state_gb_per_request=states / 1e9, ar_floor_ms=floor_ms,
+                                state_gb_per_tree_row=per_node / 1e9, verify_ms={}, verify_extra_gb={})
+    c.say(f"hybrid target ({'small' if c.a.small else 'Qwen3.5-27B-shaped'}): weights {weights / 1e9:.2f} GB, "
+          f"recurrent states {states / 1e6:.1f} MB per request (read and written per token) -> AR floor "
+          f"{floor_ms:.2f} ms; a state per tree row would take {per_node / 1e6:.1f} MB per row")
+
+    def ar_mode(mode):
+        ms, first_s = ar_steps(target, c.device, None if mode == "eager" else mode)
+        if mode == "compiled":
+            hy["compile_s_per_graph"] = first_s
+            c.per_graph = max(c.per_graph, first_s)  # its graphs are its own: 64 layers
+        hy[f"ar_{mode}_ms"] = ms
+        c.say(f"hybrid AR step {mode:10s}: {ms:7.2f} ms ({ms / floor_ms:.2f}x the floor); first call {first_s:.1f} s")
+
+    def verify(budget):
+        base = torch.cuda.memory_allocated() if c.device.type == "cuda" else 0
+        if c.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        hy["verify_ms"][budget] = ms = timed(tree_verify(target, budget, c.compile, prompt_len=512), c.device,
+                                             c.a.repeats)[0]
+        extra = (torch.cuda.max_memory_allocated() - base) / 1e9 if c.device.type == "cuda" else None
+        hy["verify_extra_gb"][budget] = extra
+        ar = hy.get("ar_cudagraphs_ms") or hy.get("ar_compiled_ms") or hy.get("ar_eager_ms") or ms
+        c.say(f"hybrid verify B={budget:4d}: {ms:8.2f} ms ({ms / ar:.1f}x the AR step)"
+              + (f", extra peak {extra:.2f} GB" if extra is not None else ""))
+
+    modes = ["eager"] + (["compiled"] + (["cudagraphs"] if c.device.type == "cuda" else []) if c.compile else [])
+    for mode in modes:
+        c.run(f"hybrid AR step {mode}", lambda: ar_mode(mode), graphs=0 if mode == "eager" else 1)
+    for budget in c.a.hybrid_budgets:
+        c.run(f"hybrid verify B={budget}", lambda: verify(budget), graphs=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="small models (to run the script itself on a CPU)")
     p.add_argument("--eager", action="store_true", help="nothing compiled (the script's own smoke test)")
-    p.add_argument("--parts", nargs="+", default=["pair", "8b", "moe", "flex"], choices=["pair", "8b", "moe", "flex"])
+    p.add_argument("--parts", nargs="+", default=["pair", "8b", "moe", "hybrid", "flex"],
+                   choices=["pair", "8b", "moe", "hybrid", "flex"])
     p.add_argument("--flex-all", action="store_true", help="the flex part at every length, with inductor's defaults")
     p.add_argument("--pair-modes", nargs="+", default=["cudagraphs"],
                    choices=["eager", "compiled-no-graphs", "cudagraphs"],
@@ -605,6 +711,7 @@ def main():
     p.add_argument("--batch-budgets", type=int, nargs="*", default=[64])
     p.add_argument("--batches", type=int, nargs="*", default=[4, 16])
     p.add_argument("--moe-budgets", type=int, nargs="*", default=[16, 64, 256, 512])
+    p.add_argument("--hybrid-budgets", type=int, nargs="*", default=[16, 64, 256, 512])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--deadline", type=float, default=520,
                    help="seconds: a section starts only if its compiles, at the measured time per graph, end before")
@@ -621,12 +728,17 @@ def main():
         if "8b" in parts:
             with guarded(c.out, "8B-shaped pair", c.device):
                 bandwidth = dense_sections(c)
-            ddtree._ENGINES.clear()  # the 30B-shaped target (61 GB in bf16) takes the 8B pair's place
-            if c.device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_models(c)  # the 30B-shaped target (61 GB in bf16) takes the 8B pair's place
+        if ("moe" in parts or "hybrid" in parts) and bandwidth is None:
+            bandwidth = copy_bandwidth(c.device, 0.25 if c.a.small else 2.0)
         if "moe" in parts:
             with guarded(c.out, "MoE target", c.device):
-                moe_sections(c, bandwidth or copy_bandwidth(c.device, 0.25 if c.a.small else 2.0))
+                moe_sections(c, bandwidth)
+            free_models(c)  # the 27B-shaped hybrid (54 GB in bf16) takes the MoE target's place
+        if "hybrid" in parts:
+            with guarded(c.out, "hybrid target", c.device):
+                hybrid_sections(c, bandwidth)
+            free_models(c)
         if "flex" in parts:
             c.run("flex vs sdpa", lambda: flex_check(c.device, c.dtype, c.out, c.compile, c.a.flex_all))
     sync(c.device)
