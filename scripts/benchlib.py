@@ -6,7 +6,6 @@ its own CLI.
 """
 
 import itertools
-import json
 import os
 import random
 import statistics
