@@ -333,9 +333,13 @@ class Engine:
 
     def _decode(self, token, start, noise):
         """ar's round: the target over each request's last token; returns what _round does (the one committed row,
-        length 1, the next token, soundness, no tree, no tally)."""
-        logits, _ = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start),
-                                recurrent=Recurrent.chain(torch.ones_like(start)))
+        length 1, the next token, soundness, no tree, no tally). With a drafter (budget auto's plain decoding on a
+        recurrent target, whose drafter cannot catch up later), the token's features extend its context."""
+        logits, features = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start),
+                                       feature_layers=self.feature_layers,
+                                       recurrent=Recurrent.chain(torch.ones_like(start)))
+        if self.drafter is not None:
+            self.drafter.append_context(features, start[:, None], start[:, None])
         next_token, ok = self.pick(logits, noise)
         return token[:, None], torch.ones_like(start), next_token[:, 0], ok, None, None
 
@@ -376,7 +380,10 @@ class Engine:
         """Budget auto: the target over committed tokens the drafter has not seen (rounds of plain decoding run
         without it), request i's from position starts[i], to extend the drafter's context (an empty list: a dummy
         row past the committed tokens). The target's K/V there are written again, with the same values up to
-        rounding; nothing is drawn from the requests' generators."""
+        rounding; nothing is drawn from the requests' generators. Never for a recurrent target, whose state would
+        take the tokens twice (its plain decoding keeps the drafter's context instead: auto_engine)."""
+        if self.target.recurrent:
+            raise RuntimeError("a catch-up would run committed tokens through the target's recurrent state again")
         self.prefill([t or [0] for t in tokens], starts, draw=False)
 
     def _prefill_step(self, tokens, start, last_row, valid, noise, slots=None):
@@ -592,11 +599,14 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, sh
 
 def auto_engine(target, drafter, sampling, spec, max_seq_len, compile, show_tree, batch, budgets) -> AutoBudget:
     """Budget auto's candidates, one engine each over the same caches: plain decoding (without the drafter: its
-    context catches up when a speculative round follows), the chain, and a tree per budget that also tallies every
-    smaller budget and the chain."""
+    context catches up when a speculative round follows; with it for a recurrent target), the chain, and a tree
+    per budget that also tallies every smaller budget and the chain."""
     def engine(method, spec, tally=()):
-        return Engine(target, drafter if method != "ar" else None, method, sampling, spec, max_seq_len, compile,
-                      show_tree, batch, tally)
+        # A recurrent target's plain decoding keeps the drafter's context as it goes (Engine._decode): catching
+        # up later would run committed tokens through the recurrent state twice.
+        keep = method != "ar" or target.recurrent
+        return Engine(target, drafter if keep else None, method, sampling, spec, max_seq_len, compile, show_tree,
+                      batch, tally)
     chain_spec = Speculation(denoise_steps=spec.denoise_steps)
     engines = {"ar": engine("ar", Speculation()), "chain": engine("dflash", chain_spec)}
     for b in budgets:

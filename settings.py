@@ -104,11 +104,6 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
         if drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
         drafter.bind(target)
-        if spec.budget == "auto" and target.recurrent:
-            # Its plain-decoding rounds leave the drafter behind, and catching up re-runs committed tokens through
-            # the target: a recurrent layer would apply them to its state twice.
-            raise ValueError("budget 'auto' does not support targets with recurrent (Gated DeltaNet) layers yet; "
-                             "give a number")
         if spec.denoise_steps > drafter.block_size - 1:
             raise ValueError(f"denoise_steps {spec.denoise_steps} exceeds the drafter's {drafter.block_size - 1} "
                              f"draft positions (each pass decides at least one)")

@@ -1,7 +1,8 @@
 """Hybrid targets end to end (Gated DeltaNet + gated attention, Qwen3.5's layout written by transformers): greedy
 ar equals transformers' greedy decoding; greedy dflash and ddtree equal ar token for token while accepting deep
 paths (so trees really run through the recurrent layers and commit their states); a batch equals its lone runs,
-greedy and seeded; compiled equals eager with one host read per round and no recompile; budget auto refuses."""
+greedy and seeded; compiled equals eager with one host read per round and no recompile; budget auto gives AR's
+tokens through every switch."""
 
 import os
 import sys
@@ -132,10 +133,23 @@ def test_hybrid_batch_equals_lone_runs(pair, monkeypatch):
     assert len(warmed) > 2, warmed  # smaller engines were warmed up mid-run
 
 
-def test_hybrid_budget_auto_is_refused(pair):
+def test_hybrid_budget_auto_equals_ar_through_every_switch(pair, monkeypatch):
+    """Budget auto forced through plain decoding, the chain and trees mid-request: AR's tokens. (Plain decoding
+    keeps the drafter's context as it goes: a catch-up would run tokens through the recurrent state twice.)"""
+    import itertools
+    import budget
+    import ddtree
     _, target, drafter, _ = pair
-    with pytest.raises(ValueError, match="recurrent"):
-        generate(target, drafter, [2, 3], method="ddtree", budget="auto", max_new_tokens=4)
+    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", (2, 6))
+    # the schedule is forced: the calibration's timings would choose nothing here
+    monkeypatch.setattr(budget, "calibrate", lambda engines, *_: {budget.name(c): 0.01 for c in engines})
+    cycle = itertools.cycle(["ar", "chain", 6, "ar", "ar", 2, "chain", "ar", 6, 6, 2])
+    monkeypatch.setattr(budget.AutoBudget, "choose", lambda self: (next(cycle), False))
+    ps = prompts(3, seed=5)
+    ar = generate_batch(target, None, ps, method="ar", max_new_tokens=24, stop_ids=[])
+    auto = generate_batch(target, drafter, ps, budget="auto", max_new_tokens=24, stop_ids=[], max_batch=2)
+    assert [r.tokens for r in auto] == [r.tokens for r in ar]
+    assert {c for r in auto for c in r.stats["auto"]["schedule"]} == {"ar", "chain", "2", "6"}
 
 
 def test_hybrid_compiled_equals_eager_without_recompiles(pair, one_thread):
