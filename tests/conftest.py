@@ -173,3 +173,36 @@ def tensors_in(obj):
     elif isinstance(obj, (tuple, list)):
         for x in obj:
             yield from tensors_in(x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The shared random pair: a tiny Qwen3 target (vocabulary 16, 3 layers) and a DFlash drafter (2 layers, block 5),
+# random weights large enough (std 0.35) that random drafts are often accepted. Written once per session; each
+# test module loads its own models from it (engines and compiled graphs stay per module).
+
+PAIR_VOCAB = 16
+PAIR_STOP = 1
+
+
+def write_random_pair(root, target_layers: int = 3, draft_layers: int = 2) -> dict:
+    """The pair's checkpoints under root/target and root/draft; returns their paths."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+    from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint
+    tc = qwen3_config(PAIR_VOCAB, hidden=64, inter=128, layers=target_layers, heads=4, kv_heads=2, head_dim=16,
+                      eos=(PAIR_STOP, 0))
+    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[PAIR_STOP])
+    dc = dflash_config(tc, layers=draft_layers, block_size=5, target_layer_ids=[0, target_layers - 1])
+    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=5, std=0.35))
+    return {"root": root, "target": str(root / "target"), "draft": str(root / "draft")}
+
+
+def load_pair(files: dict):
+    from drafter import DFlashDrafter
+    from model import Qwen3
+    return (Qwen3.from_pretrained(files["target"], device="cpu"),
+            DFlashDrafter.from_pretrained(files["draft"], device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def random_pair_files(tmp_path_factory):
+    return write_random_pair(tmp_path_factory.mktemp("random-pair"))

@@ -7,41 +7,28 @@ batches equal eager ones, reuse their graphs and read the host once per round. T
 --prompts-file."""
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-import ddtree
-from conftest import HostReads, assert_one_error_line, cli
 import batch as batching
+import ddtree
 from batch import batch_bucket
+from conftest import PAIR_STOP, PAIR_VOCAB, HostReads, assert_one_error_line, cli, load_pair, write_random_pair
 from ddtree import generate, generate_batch
 from draft_tree import accepted_within
-from drafter import DFlashDrafter
-from model import Qwen3
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
-
-VOCAB = 16
-STOP = 1
+VOCAB, STOP = PAIR_VOCAB, PAIR_STOP
 
 
 def write_pair(root, target_layers=3, draft_layers=2):
-    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=target_layers, heads=4, kv_heads=2, head_dim=16,
-                      eos=(STOP, 0))
-    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[STOP])
-    dc = dflash_config(tc, layers=draft_layers, block_size=5, target_layer_ids=[0, target_layers - 1])
-    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=5, std=0.35))
-    return (Qwen3.from_pretrained(str(root / "target"), device="cpu"),
-            DFlashDrafter.from_pretrained(str(root / "draft"), device="cpu"))
+    """The shared pair's recipe with other layer counts (smaller graphs, for the compiled tests), loaded."""
+    return load_pair(write_random_pair(root, target_layers, draft_layers))
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, one_thread):
-    return write_pair(tmp_path_factory.mktemp("batch"))
+def pair(random_pair_files, one_thread):
+    return load_pair(random_pair_files)
 
 
 def ragged_prompts(n, seed=0):

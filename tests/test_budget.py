@@ -12,7 +12,7 @@ import torch
 import budget
 import ddtree
 from budget import AutoBudget
-from conftest import assert_one_error_line, cli, compiled_equals_eager
+from conftest import assert_one_error_line, cli, compiled_equals_eager, load_pair
 from ddtree import generate, generate_batch
 from test_batch import STOP, ragged_prompts, write_pair
 
@@ -20,8 +20,8 @@ GRID = (2, 6, 12)  # tree sizes for the tiny pair (block 5: 4 draft positions)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, one_thread):
-    return write_pair(tmp_path_factory.mktemp("auto"))
+def pair(random_pair_files, one_thread):
+    return load_pair(random_pair_files)
 
 
 @pytest.fixture(autouse=True)

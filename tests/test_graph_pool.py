@@ -6,15 +6,15 @@ import pytest
 
 import ddtree
 from budget import AutoBudget
-from conftest import GraphPool
+from conftest import GraphPool, load_pair
 from ddtree import generate_batch
-from test_batch import STOP, ragged_prompts, write_pair
+from test_batch import STOP, ragged_prompts
 from test_budget import GRID, SWITCHES, forced
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, one_thread):
-    return write_pair(tmp_path_factory.mktemp("pool"))
+def pair(random_pair_files, one_thread):
+    return load_pair(random_pair_files)
 
 
 RUNS = [("ar", dict(temperature=1.0)), ("dflash", {}), ("dflash", dict(temperature=0.9, draft_sampling=True)),

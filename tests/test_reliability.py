@@ -23,27 +23,21 @@ from settings import applies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from conftest import assert_one_error_line, cli  # noqa: E402
-from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
+from conftest import PAIR_VOCAB, assert_one_error_line, cli, load_pair  # noqa: E402
+from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa
 
-VOCAB = 16
+VOCAB = PAIR_VOCAB
 BUNDLED_TARGET = os.path.join(ROOT, "assets", "tiny-target")
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reliability")
-    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, eos=(1, 0))
-    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[1])
-    dc = dflash_config(tc, layers=2, block_size=5, target_layer_ids=[0, 2])
-    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=5, std=0.35))
-    return {"root": root, "target": str(root / "target"), "draft": str(root / "draft")}
+def files(random_pair_files):
+    return random_pair_files
 
 
 @pytest.fixture(scope="module")
 def pair(files):
-    target = Qwen3.from_pretrained(files["target"], device="cpu")
-    return target, DFlashDrafter.from_pretrained(files["draft"], device="cpu")
+    return load_pair(files)
 
 
 def greedy_ar(target, prompt, n):
