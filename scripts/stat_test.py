@@ -33,6 +33,8 @@ Controls (`--control`; `auto` picks by method):
   unwarped      tree walk: the target's tokens in a speculative round are sampled from softmax(logits / T),
                 without top-k / top-p / min-p (the prefill's first token stays right)
   shared_noise  every draw of a round uses the same uniform (correlated draws across rows)
+  stale_commit  a hybrid target's recurrent layers commit the state after the round's root only, dropping the
+                accepted drafts (attention layers keep them): speculation with --hybrid
   none          no control
 """
 
@@ -55,8 +57,9 @@ import torch  # noqa: E402
 
 import ddtree  # noqa: E402
 import cpu_backend  # noqa: E402
-from checkpoints import (dflash_config, moe_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
-                         save_checkpoint)
+from checkpoints import (dflash_config, hybrid_text_config, moe_config, qwen3_config,  # noqa: E402
+                         random_dflash_weights, random_hybrid_model, random_qwen3_weights, save_checkpoint,
+                         save_hybrid)
 from ddtree import finite_rows, generate, generate_batch  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
@@ -64,7 +67,7 @@ from sampler import Sampling, sample, warp_probs  # noqa: E402
 from tree_attn import PrefixMask, causal  # noqa: E402
 
 ALPHA = 1e-6
-CONTROLS = ("auto", "none", "residual_p", "own_row", "unwarped", "shared_noise")
+CONTROLS = ("auto", "none", "residual_p", "own_row", "unwarped", "shared_noise", "stale_commit")
 MAX_CELLS = 200_000
 
 
@@ -74,12 +77,21 @@ MAX_CELLS = 200_000
 
 def write_random_pair(out_dir: str, vocab: int, seed: int = 2, target_std: float = 0.4, draft_std: float = 0.4,
                       block_size: int = 3, hidden: int = 32, target_layers: int = 2, draft_layers: int = 1,
-                      moe: bool = False):
+                      moe: bool = False, hybrid: bool = False):
     """A tiny Qwen3 target and DFlash drafter. Weights of std 0.3-0.5 give a non-degenerate target (several tokens
     with real mass after warping; how peaked it is varies with the seed, and run_check warns when the law is
     nearly degenerate). The drafter shares the target's embedding and lm_head, so its drafts correlate with the
     target's choices: with seed 2 (vocab 4, block 3) 0.7-1.0 drafts are accepted per round. moe: a Qwen3-MoE
-    target (4 experts, top 2, every layer sparse)."""
+    target (4 experts, top 2, every layer sparse). hybrid: a Qwen3.5 target instead (write_random_hybrid_target),
+    the drafter reading all of its layers, Gated DeltaNet and gated attention alike."""
+    if hybrid:
+        if moe:
+            raise ValueError("--hybrid and --moe cannot be combined (the random hybrid target is dense)")
+        tc = write_random_hybrid_target(os.path.join(out_dir, "target"), vocab, seed, target_std, hidden)
+        dc = dflash_config({**tc, "rope_theta": tc["rope_parameters"]["rope_theta"]}, layers=draft_layers,
+                           block_size=block_size, target_layer_ids=list(range(tc["num_hidden_layers"])))
+        save_checkpoint(os.path.join(out_dir, "draft"), dc, random_dflash_weights(dc, seed=seed + 1, std=draft_std))
+        return os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
     tc = qwen3_config(vocab, hidden=hidden, inter=2 * hidden, layers=target_layers, heads=2, kv_heads=1,
                       head_dim=16, eos=(vocab - 1, 0))
     if moe:
@@ -88,6 +100,28 @@ def write_random_pair(out_dir: str, vocab: int, seed: int = 2, target_std: float
     dc = dflash_config(tc, layers=draft_layers, block_size=block_size, target_layer_ids=list(range(target_layers)))
     save_checkpoint(os.path.join(out_dir, "draft"), dc, random_dflash_weights(dc, seed=seed + 1, std=draft_std))
     return os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
+
+
+def write_random_hybrid_target(out_dir: str, vocab: int, seed: int = 2, std: float = 0.4, hidden: int = 32,
+                               layers: int = 4, interval: int = 2) -> dict:
+    """A tiny Qwen3.5 hybrid target written by transformers (checkpoints.random_hybrid_model / save_hybrid):
+    `layers` layers, every `interval`-th gated attention and the others Gated DeltaNet (4 and 2: linear, full,
+    linear, full), widths as the dense random pair's (hidden 32, 2 heads of 16, 1 KV head; linear heads 2 key / 4
+    value of 8 dims, kernel 4). Every parameter is its initial value plus N(0, std) noise, which for the matrices
+    and embeddings (initialized at std 0.02) is --target-std's meaning in the dense pair, and moves the norms (1 +
+    w), A_log and dt_bias off their init values. Returns the text config as a dict."""
+    text = hybrid_text_config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=layers, full_attention_interval=interval, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                              linear_key_head_dim=8, linear_value_head_dim=8, eos_token_id=vocab - 1,
+                              bos_token_id=0)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar
+    hf = random_hybrid_model(text, seed=seed, std=std)
+    kinds = hf.config.layer_types
+    assert "linear_attention" in kinds and "full_attention" in kinds, kinds
+    save_hybrid(hf, out_dir)
+    return hf.config.to_dict()
 
 
 def load_pair(target_path: str, draft_path: str | None, device: str = "cpu"):
@@ -134,6 +168,7 @@ def last_logits(target: Qwen3, contexts: list[list[int]], batch: int = 64) -> to
     for first in range(0, len(contexts), batch):
         part = torch.tensor(contexts[first:first + batch], device=target.device)
         target.setup_cache(length, part.shape[0])
+        target.reset_recurrent()  # a hybrid target's recurrent states start empty (a no-op for Qwen3)
         mask = PrefixMask(n, length, target.device, dense=ddtree.EAGER_CPU_ATTENTION == "sdpa", batch=part.shape[0])
         mask.allow.copy_(causal(n))
         pos = torch.arange(n, device=target.device).expand_as(part)
@@ -314,6 +349,15 @@ def _draw_noise_shared(shape, generator, device):
     return u.expand(shape).contiguous()
 
 
+_commit_recurrent = Qwen3.commit_recurrent
+
+
+def _commit_recurrent_root_only(self, recurrent, path, length):
+    """Qwen3.commit_recurrent with the bug: the recurrent (and conv) states advance over the path's root only,
+    as if no draft had been accepted; the attention layers' K/V still hold the whole path."""
+    return _commit_recurrent(self, recurrent, path, length.clamp(max=1))  # BUG: length
+
+
 def auto_control(method: str, draft_sampling: bool) -> str:
     if method == "ar":
         return "none"
@@ -331,10 +375,13 @@ def planted(control: str, method: str, draft_sampling: bool):
         raise ValueError("control residual_p needs --method dflash --draft-sampling")
     if control in ("own_row", "unwarped") and not walk:
         raise ValueError(f"control {control} needs the tree walk (ddtree, or dflash without --draft-sampling)")
+    if control == "stale_commit" and method == "ar":
+        raise ValueError("control stale_commit needs a speculative method (dflash or ddtree)")
     patches = {"none": [], "residual_p": [(ddtree, "verify_chain_sampled", _verify_chain_residual_p)],
                "own_row": [(ddtree, "walk_tree", _walk_tree_own_row)],
                "unwarped": [(ddtree.Engine, "pick", _pick_unwarped)],
-               "shared_noise": [(ddtree, "draw_noise", _draw_noise_shared)]}[control]
+               "shared_noise": [(ddtree, "draw_noise", _draw_noise_shared)],
+               "stale_commit": [(Qwen3, "commit_recurrent", _commit_recurrent_root_only)]}[control]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, new in patches:
@@ -359,6 +406,8 @@ def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: st
         control = "none" if s.greedy else auto_control(method, draft_sampling)
     kw = dict(method=method, budget=budget if method == "ddtree" else None, draft_sampling=draft_sampling,
               draft_temperature=draft_temperature, denoise_steps=denoise_steps, **sampling_kw)
+    if control == "stale_commit" and not target.recurrent:
+        raise ValueError("control stale_commit needs a target with recurrent layers (--hybrid)")
     out = {"control_name": control}
     with attention(attention_kind, target, drafter):
         law = exact_law(target, prompt, n, s, batch)
@@ -428,12 +477,33 @@ def parse_args(argv):
     p.add_argument("--prompt", default=None, help="comma-separated token ids (default: 1,2,3 mod vocab)")
     p.add_argument("--target", default=None, help="Qwen3 checkpoint dir (default: write a random pair)")
     p.add_argument("--moe", action="store_true", help="the random pair's target is a Qwen3-MoE")
+    p.add_argument("--hybrid", action="store_true", help="the random pair's target is a Qwen3.5 hybrid (Gated "
+                                                          "DeltaNet + gated attention layers)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the settings and results to FILE")
     p.add_argument("--draft", default=None, help="DFlash checkpoint dir (default: write a random pair)")
     p.add_argument("--attention", choices=("dense", "flex", "kernel"), default="dense")
     p.add_argument("--alpha", type=float, default=ALPHA, help="the real run fails below, the control must be below")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     return p.parse_args(argv)
+
+
+def write_json(path: str, a, out: dict, good: bool, seconds: float, vocab: int, prompt: list[int]):
+    """The run's settings (the command-line options), the exact law's summary and each run's numbers (without the
+    per-cell counts), as one JSON object."""
+    import json
+    law = out["law"]
+    live = law.probs[law.probs > 0]
+    runs = {name: {k: (v.item() if hasattr(v, "item") else v) for k, v in out[name].items() if k != "counts"}
+            for name in ("real", "control") if name in out}
+    margin = float(law.margin) if math.isfinite(law.margin) else None  # inf (no filter on): null
+    obj = dict(settings=vars(a), vocab=vocab, prompt=prompt, control_name=out["control_name"],
+               law=dict(sequences=len(law.sequences), max_prob=float(law.probs.max()),
+                        perplexity=float(math.exp(-(live * np.log(live)).sum())), warp_margin=margin),
+               **runs, result="PASS" if good else "FAIL", seconds=seconds)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=float)
+        f.write("\n")
 
 
 def main(argv=None) -> int:
@@ -445,15 +515,21 @@ def main(argv=None) -> int:
         a.target, a.draft = ddtree.DEFAULT_TARGET, ddtree.DEFAULT_DRAFT
     if (a.target is None) != (a.draft is None) and a.method != "ar":
         raise SystemExit("give both --target and --draft, or neither (a random pair)")
+    if a.hybrid and (a.target is not None or a.moe):
+        raise SystemExit("error: --hybrid is for the random pair, without --target / --draft / --bundled / --moe")
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         target_path, draft_path = a.target, a.draft
         if target_path is None:
             if a.vocab < 2:
                 raise SystemExit("--vocab must be >= 2")
             t, d = write_random_pair(tmp, a.vocab, a.pair_seed, a.target_std, a.draft_std, a.block_size,
-                                     moe=a.moe)
+                                     moe=a.moe, hybrid=a.hybrid)
             target_path, draft_path = target_path or t, draft_path or d
         target, drafter = load_pair(target_path, draft_path if a.method != "ar" else None, a.device)
+        if target.recurrent and a.method == "ddtree" and a.budget == "auto":
+            raise SystemExit("error: --budget auto is not supported for a target with recurrent layers (a hybrid): "
+                             "give a number")
         V = target.config.vocab_size
         if a.text is not None:
             from text import Text
@@ -481,6 +557,8 @@ def main(argv=None) -> int:
             out["real"]["ok"] &= bool(ok)
     good = out["real"]["ok"] and out.get("control", {"ok": True})["ok"]
     print("RESULT:", "PASS" if good else "FAIL")
+    if a.json:
+        write_json(a.json, a, out, good, time.perf_counter() - started, V, prompt)
     return 0 if good else 1
 
 
