@@ -163,3 +163,28 @@ def test_hybrid_compiled_equals_eager_without_recompiles(pair, one_thread):
     runs = compiled_equals_eager(lambda p, compile: greedy(target, drafter, p, method="ddtree", budget=16,
                                                            compile=compile), cases)
     assert max(max(r.stats["accepted"]) for r in runs) >= 3
+
+
+def test_hybrid_moe_in_the_hub_layout_speculation_equals_ar(tmp_path):
+    """A Qwen3.5-MoE target (shared expert; attention every second layer) saved as the hub saves it
+    (Qwen3_5ForConditionalGeneration: text weights under model.language_model.*, a vision tower): greedy dflash
+    and ddtree give AR's tokens and accept paths several drafts deep."""
+    import json
+    from checkpoints import hybrid_text_config, random_hybrid_model, save_hybrid
+    hf = random_hybrid_model(hybrid_text_config(moe=True, vocab_size=VOCAB, full_attention_interval=2), moe=True,
+                             seed=2, std=0.35)
+    save_hybrid(hf, str(tmp_path / "target"), layout="conditional_generation")
+    tc = json.load(open(tmp_path / "target" / "config.json"))["text_config"]
+    dc = dflash_config({**tc, "rope_theta": 10000.0, "intermediate_size": 48}, layers=2, block_size=6,
+                       target_layer_ids=[0, 1, 3])
+    save_checkpoint(str(tmp_path / "draft"), dc, random_dflash_weights(dc, seed=3, std=0.05))
+    target = Qwen3.from_pretrained(str(tmp_path / "target"), device="cpu", dtype=torch.float64)
+    drafter = DFlashDrafter.from_pretrained(str(tmp_path / "draft"), device="cpu", dtype=torch.float64)
+    deepest = 0
+    for prompt in prompts(2, seed=7):
+        ar = greedy(target, None, prompt, method="ar").tokens
+        for kw in (dict(method="dflash"), dict(method="ddtree", budget=64)):
+            res = greedy(target, drafter, prompt, **kw)
+            assert res.tokens == ar, (kw, prompt)
+            deepest = max(deepest, max(res.stats["accepted"]))
+    assert deepest >= 4
