@@ -32,11 +32,13 @@ import platform
 import statistics
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
-AUTO_BUDGETS = (4, 16, 64, 256, 512)  # the tree sizes auto chooses among, with "ar" and "chain"
+from settings import AUTO_BUDGETS, Speculation
+from tree_attn import round_up
+
 PROBE_SHARE = 0.05  # probe rounds take at most this share of a run's time (after its first round, a probe)
 EMA_ROUNDS = 16  # an estimate averages about this many recent observations
 PRIOR_ROUNDS = 4  # a new run of the engine starts from the last run's estimates, weighted as this many rounds
@@ -185,6 +187,45 @@ def calibrate(engines: dict, block_size: int, prompt_len: int) -> dict:
     return costs
 
 
+def auto_budgets(prompt_len: int, max_new_tokens: int, target) -> tuple:
+    """The tree sizes whose verify fits the cache for these requests (settings.check_request made sure the smallest
+    does)."""
+    room = round_up(target.config.max_position_embeddings) - prompt_len - max_new_tokens - 1
+    return tuple(b for b in AUTO_BUDGETS if b <= room)
+
+
+def auto_engine(make_engine, target, drafter, spec, budgets) -> "AutoBudget":
+    """The candidates, one engine each over the same caches (make_engine(method, drafter, spec, tally_budgets)):
+    plain decoding, the chain, and a tree per budget that also tallies every smaller budget and the chain. Plain
+    decoding runs without the drafter (its context catches up when a speculative round follows), except on a
+    recurrent target: there it keeps the drafter's context as it decodes (ddtree.Engine._decode), since a catch-up
+    would run committed tokens through the recurrent state twice."""
+    chain_spec = Speculation(denoise_steps=spec.denoise_steps)
+    engines = {"ar": make_engine("ar", drafter if target.recurrent else None, Speculation()),
+               "chain": make_engine("dflash", drafter, chain_spec)}
+    for b in budgets:
+        engines[b] = make_engine("ddtree", drafter, replace(spec, budget=b), tuple(x for x in budgets if x <= b))
+    return AutoBudget(engines, drafter.block_size)
+
+
+def adopt(engine, other):
+    """`engine` takes over `other`'s requests between two steps: the models' caches are shared (same slots and
+    batch), so the requests' state is all there is to hand over."""
+    engine.token, engine.position, engine.generators, engine.live = other.token, other.position, \
+        other.generators, other.live
+    engine.guards_checked = False
+
+
+def catch_up(engine, tokens: list[list[int]], starts: list[int]):
+    """The target over committed tokens the drafter has not seen (rounds of plain decoding run without it), request
+    i's from position starts[i], to extend the drafter's context (an empty list: a dummy row past the committed
+    tokens). The target's K/V there are written again, with the same values up to rounding; nothing is drawn from
+    the requests' generators. Never for a recurrent target, whose state would take the tokens twice."""
+    if engine.target.recurrent:
+        raise RuntimeError("a catch-up would run committed tokens through the target's recurrent state again")
+    engine.prefill([t or [0] for t in tokens], starts, draw=False)
+
+
 class Estimate:
     """A running mean of the last ~EMA_ROUNDS observations (the plain mean until then)."""
 
@@ -265,7 +306,7 @@ class AutoBudget:
         engine = self.engines[candidate]
         running = [g is not None for g in self.current.generators]
         catch_up = self.keep_drafter_context(engine, running)
-        engine.adopt(self.current)
+        adopt(engine, self.current)
         t0 = time.perf_counter()
         new = engine.step()
         seconds = time.perf_counter() - t0
@@ -290,7 +331,7 @@ class AutoBudget:
     def keep_drafter_context(self, engine, running) -> float:
         """Plain decoding runs without the drafter (its round is then plain decoding's own, at its own cost); the
         drafter's context falls behind, and catches up, in one pass of the target over the tokens it missed
-        (Engine.catch_up), when a speculative round comes next. Returns the seconds the catch-up took."""
+        (catch_up), when a speculative round comes next. Returns the seconds the catch-up took."""
         positions = [len(h) - 1 for h in self.history]  # tokens in the caches, per request
         if engine.drafter is None and self.drafter_behind is None:
             self.drafter_behind = positions
@@ -300,7 +341,7 @@ class AutoBudget:
         missed = [h[b:p] if r else [] for h, b, p, r in zip(self.history, self.drafter_behind, positions, running)]
         starts = [b if m else p for m, b, p in zip(missed, self.drafter_behind, positions)]
         pad = engine.batch - len(missed)  # rows past the requests: a dummy row each
-        engine.catch_up(missed + [[]] * pad, starts + [0] * pad)
+        catch_up(engine, missed + [[]] * pad, starts + [0] * pad)
         self.drafter_behind = None
         return time.perf_counter() - t0
 

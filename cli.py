@@ -11,13 +11,12 @@ import threading
 import time
 import warnings
 
-from budget import AUTO_BUDGETS
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate, generate_batch
 from draft_tree import format_tree
 from drafter import DFlashDrafter
 from model import Qwen3
 from sampler import Sampling
-from settings import DEFAULT_BUDGET, METHODS, check_applies, check_int
+from settings import AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, check_applies, check_int
 from text import Streamer, Text
 
 

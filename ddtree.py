@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import replace
 
 if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 quietly; main() takes over from there
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
@@ -35,7 +34,7 @@ import torch  # noqa: E402
 
 import cpu_backend
 from batch import Result, batch_bucket, run_requests
-from budget import AUTO_BUDGETS, AutoBudget
+from budget import AutoBudget, auto_budgets, auto_engine
 from draft_tree import accepted_within, ancestor_matrix, build_tree, build_tree_heap, chain_accepted
 from drafter import DFlashDrafter
 from model import Qwen3, Recurrent
@@ -228,7 +227,7 @@ class Engine:
 
     def run_round(self, *args):
         """self.round(*args) with dynamo's guards (docs/compile.md, "Guards checked once per run"): all of them at
-        the first step after start, resume or adopt; after it only those that tell the compiled graphs apart
+        the first step after start, resume or budget.adopt; after it only those that tell the compiled graphs apart
         (every tensor that is not a parameter, and whatever once made a graph recompile). A compiled step sees the
         same objects and shapes at every round of a run, so the rest would give the same answer each time."""
         skip = self.compiled and self.guards_checked
@@ -376,16 +375,6 @@ class Engine:
             token, ok = torch.where(here, t[:, 0], token), torch.where(here, o, ok)
         return token, ok
 
-    def catch_up(self, tokens: list[list[int]], starts: list[int]):
-        """Budget auto: the target over committed tokens the drafter has not seen (rounds of plain decoding run
-        without it), request i's from position starts[i], to extend the drafter's context (an empty list: a dummy
-        row past the committed tokens). The target's K/V there are written again, with the same values up to
-        rounding; nothing is drawn from the requests' generators. Never for a recurrent target, whose state would
-        take the tokens twice (its plain decoding keeps the drafter's context instead: auto_engine)."""
-        if self.target.recurrent:
-            raise RuntimeError("a catch-up would run committed tokens through the target's recurrent state again")
-        self.prefill([t or [0] for t in tokens], starts, draw=False)
-
     def _prefill_step(self, tokens, start, last_row, valid, noise, slots=None):
         """A chunk of prompt rows of every request at positions start.. (prefill_chunk rows; fewer with a
         materialized mask, which takes the mask's first rows and covers `slots` KV slots), of which the first
@@ -510,13 +499,6 @@ class Engine:
                 if self.compile_prefill:
                     self.prefill_step = torch.compile(self.prefill_step, dynamic=False, fullgraph=True, mode=mode)
 
-    def adopt(self, other: "Engine"):
-        """Take over `other`'s requests between two steps (budget auto switches engines): the models' caches are
-        shared (same slots and batch), so the requests' state is all there is to hand over."""
-        self.token, self.position, self.generators, self.live = other.token, other.position, other.generators, \
-            other.live
-        self.guards_checked = False
-
     def warm_up_slots(self) -> int:
         """The cache slots warm_up's dummy request writes in every row: a prefill chunk, then a round's rows after
         its one-token prompt (the verified rows, the drafter's block, the committed path)."""
@@ -591,34 +573,13 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, sh
         for old in [k for k in _ENGINES if k[:-1] != settings]:
             del _ENGINES[old]
         if spec.budget == "auto":
-            _ENGINES[key] = auto_engine(target, drafter, sampling, spec, max_seq_len, compile, show_tree, batch, auto)
+            _ENGINES[key] = auto_engine(
+                lambda method, drafter, spec, tally=(): Engine(target, drafter, method, sampling, spec, max_seq_len,
+                                                               compile, show_tree, batch, tally), target, drafter,
+                spec, auto)
         else:
             _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch)
     return _ENGINES[key]
-
-
-def auto_engine(target, drafter, sampling, spec, max_seq_len, compile, show_tree, batch, budgets) -> AutoBudget:
-    """Budget auto's candidates, one engine each over the same caches: plain decoding (without the drafter: its
-    context catches up when a speculative round follows; with it for a recurrent target), the chain, and a tree
-    per budget that also tallies every smaller budget and the chain."""
-    def engine(method, spec, tally=()):
-        # A recurrent target's plain decoding keeps the drafter's context as it goes (Engine._decode): catching
-        # up later would run committed tokens through the recurrent state twice.
-        keep = method != "ar" or target.recurrent
-        return Engine(target, drafter if keep else None, method, sampling, spec, max_seq_len, compile, show_tree,
-                      batch, tally)
-    chain_spec = Speculation(denoise_steps=spec.denoise_steps)
-    engines = {"ar": engine("ar", Speculation()), "chain": engine("dflash", chain_spec)}
-    for b in budgets:
-        engines[b] = engine("ddtree", replace(spec, budget=b), tuple(x for x in budgets if x <= b))
-    return AutoBudget(engines, drafter.block_size)
-
-
-def auto_budgets(prompt_len: int, max_new_tokens: int, target) -> tuple:
-    """The budget-auto tree sizes whose verify fits the cache for these requests (check_request made sure the
-    smallest does)."""
-    room = round_up(target.config.max_position_embeddings) - prompt_len - max_new_tokens - 1
-    return tuple(b for b in AUTO_BUDGETS if b <= room)
 
 
 def prefill_chunk(device_type: str) -> int:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from budget import AUTO_BUDGETS
 from tree_attn import round_up
 
 METHODS = ("ddtree", "dflash", "ar")
 DEFAULT_BUDGET = 512  # the paper's tree size
+AUTO_BUDGETS = (4, 16, 64, 256, 512)  # the tree sizes auto chooses among, with "ar" and "chain"
 INT64_MAX = 2**63 - 1
 
 

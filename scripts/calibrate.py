@@ -45,10 +45,11 @@ def main(argv=None):
     drafter = DFlashDrafter.from_pretrained(a.draft, device=target.device, dtype=target.dtype).bind(target)
     sampling = Sampling(a.temperature, a.top_k, a.top_p, a.min_p)
     spec = Speculation(budget="auto", denoise_steps=a.denoise_steps)
-    budgets = ddtree.auto_budgets(a.prompt_len, a.max_new_tokens, target)
+    budgets = budget.auto_budgets(a.prompt_len, a.max_new_tokens, target)
     length = ddtree.cache_length(a.prompt_len, a.max_new_tokens, "ddtree", spec, drafter, budgets)
     with torch.inference_mode():
-        engine = ddtree.auto_engine(target, drafter, sampling, spec, length, a.compile, False, a.batch, budgets)
+        engine = ddtree.get_engine(target, drafter, "ddtree", sampling, spec, length, a.compile, False, a.batch,
+                                   auto=budgets)
         seconds = engine.warm_up(recalibrate=True)
     print(f"{budget.device_name(target.device)}; torch {torch.__version__}, {target.dtype}, "
           f"{'compiled' if a.compile else 'eager'}, batch {a.batch}, {length} cache slots; calibrated in "

@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from bench_hybrid import tree_verify  # noqa: E402
 from benchlib import (batched_run, round_header, round_row, round_split, sync, timed, tree_alone,  # noqa: E402
                       verify_ms, write_json)
+import budget as budget_auto  # noqa: E402 (budget: a loop variable's name here)
 import ddtree  # noqa: E402
 import model  # noqa: E402
 from budget import AutoBudget  # noqa: E402
@@ -370,12 +371,12 @@ def graph_launches(fn, device):
 def pair_auto(target, drafter, prompt, ref, compile):
     """budget auto (trees of 4 and 16) with its choice forced through a cycle of every candidate."""
     cycle = itertools.cycle(["ar", "chain", 16, 4, "ar", 16, "chain", "ar"])
-    choose, budgets = AutoBudget.choose, ddtree.AUTO_BUDGETS
-    AutoBudget.choose, ddtree.AUTO_BUDGETS = (lambda self: (next(cycle), False)), (4, 16)
+    choose, budgets = AutoBudget.choose, budget_auto.AUTO_BUDGETS
+    AutoBudget.choose, budget_auto.AUTO_BUDGETS = (lambda self: (next(cycle), False)), (4, 16)
     try:
         r = generate(target, drafter, prompt, budget="auto", max_new_tokens=96, compile=compile, stop_ids=[])
     finally:
-        AutoBudget.choose, ddtree.AUTO_BUDGETS = choose, budgets
+        AutoBudget.choose, budget_auto.AUTO_BUDGETS = choose, budgets
     return dict(equal_to_eager_ar=r.tokens == ref, schedule=sorted(set(r.stats["auto"]["schedule"])))
 
 
@@ -464,7 +465,7 @@ def dense_sections(c: Check):
         for batch in a.batches:
             c.run(f"batched B={budget} batch {batch}", lambda: batched(c, target, drafter, budget, batch),
                   graphs=2 * batch.bit_length())
-    c.run("budget auto", lambda: auto_calibration(c, target, drafter), graphs=len(ddtree.AUTO_BUDGETS) + 3)
+    c.run("budget auto", lambda: auto_calibration(c, target, drafter), graphs=len(budget_auto.AUTO_BUDGETS) + 3)
     c.run("layers compiled once A/B", lambda: layers_once_ab(c, one_round), graphs=10)
     if c.compile:  # the tensor builder compiled beside the heap
         c.run("tree alone", lambda: tree_build(c, target), graphs=1)
@@ -540,10 +541,10 @@ def batched(c, target, drafter, budget, batch):
 def auto_calibration(c, target, drafter):
     """budget auto on this device (batch 1, greedy): its calibration curve, then one generate(budget="auto")
     (random weights accept little, so auto should settle on plain decoding)."""
-    budgets = ddtree.auto_budgets(128, 64, target)
+    budgets = budget_auto.auto_budgets(128, 64, target)
     spec = Speculation(budget="auto")
     length = cache_length(128, 64, "ddtree", spec, drafter, budgets)
-    engine = ddtree.auto_engine(target, drafter, Sampling(), spec, length, c.compile, False, 1, budgets)
+    engine = ddtree.get_engine(target, drafter, "ddtree", Sampling(), spec, length, c.compile, False, 1, auto=budgets)
     warm_up = engine.warm_up(recalibrate=True)
     c.say(f"budget auto calibration ({engine.calibrate_seconds:.0f} s, {warm_up:.0f} s with compiling):\n"
           f"{engine.curve_table()}")

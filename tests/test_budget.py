@@ -26,7 +26,7 @@ def pair(random_pair_files, one_thread):
 
 @pytest.fixture(autouse=True)
 def small_grid(monkeypatch):
-    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", GRID)
+    monkeypatch.setattr(budget, "AUTO_BUDGETS", GRID)
 
 
 def forced(schedule):
@@ -189,8 +189,8 @@ def test_probing_picks_the_largest_tree_that_could_win_then_climbs(pair, monkeyp
     """The first probe runs the largest viable tree that could beat the best estimate were it to accept every
     draft; later probes the next size up from the best."""
     target, drafter = pair
-    engine = ddtree.auto_engine(target, drafter, ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024, False,
-                                False, 1, GRID)
+    engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
+                               False, False, 1, auto=GRID)
     engine.calibrated = {"ar": 1.0, "chain": 2.0, "2": 2.0, "6": 3.0, "12": 4.5}
     engine.viable = ["ar", "chain", 2, 6, 12]
     with torch.inference_mode():  # as generate() runs engines (the caches must not record autograd history)
@@ -211,8 +211,8 @@ def test_plain_decoding_starting_a_batch_sizes_the_drafters_caches_too(pair, mon
     target, drafter = pair
     drafter.bind(target)  # as generate_batch does
     monkeypatch.setattr(AutoBudget, "choose", forced(["ar", "chain", "ar", 6]))
-    engine = ddtree.auto_engine(target, drafter, ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024, False,
-                                False, 4, GRID)
+    engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
+                               False, False, 4, auto=GRID)
     engine.calibrated = {"ar": 1.0, "chain": None, "2": None, "6": None, "12": None}
     engine.viable, engine.warm = ["ar"], True
     drafter.setup_cache(1024, 2)  # as an engine for 2 requests leaves them
@@ -255,11 +255,12 @@ def test_compiled_auto_equals_eager_without_new_graphs(tmp_path, monkeypatch, on
     (the chain not viable), so that the test compiles two rounds and a prefill; the chain is a dflash engine,
     compiled in test_speculative."""
     target, drafter = write_pair(tmp_path, target_layers=2, draft_layers=1)  # small graphs: compile time
-    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", (6,))
+    monkeypatch.setattr(budget, "AUTO_BUDGETS", (6,))
     spec = ddtree.Speculation(budget="auto")
     with torch.inference_mode():
         length = ddtree.cache_length(40, 20, "ddtree", spec, drafter.bind(target), (6,))
-        key = ddtree.auto_engine(target, drafter, ddtree.Sampling(), spec, length, True, False, 1, (6,)).key
+        key = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), spec, length, True, False, 1,
+                                auto=(6,)).key
     budget.save_costs(key, {"ar": 1e-3, "chain": None, "6": 2e-3})
     monkeypatch.setattr(AutoBudget, "choose", forced(["ar", 6, 6, "ar", "ar", 6]))
     cases = ragged_prompts(3, seed=8)

@@ -4,6 +4,7 @@ runs without it: no output of a compiled call is read after the next one."""
 
 import pytest
 
+import budget
 import ddtree
 from budget import AutoBudget
 from conftest import GraphPool, load_pair
@@ -37,7 +38,7 @@ def test_methods_and_shrinking_batches_read_no_stale_output(pair, monkeypatch, m
 
 def test_budget_auto_switching_through_plain_decoding_reads_no_stale_output(pair, monkeypatch):
     target, drafter = pair
-    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", GRID)
+    monkeypatch.setattr(budget, "AUTO_BUDGETS", GRID)
     prompts = ragged_prompts(5, seed=3)
     run = lambda: generate_batch(target, drafter, prompts, budget="auto", max_new_tokens=40, stop_ids=[STOP],
                                  max_batch=4)

@@ -138,9 +138,8 @@ def test_hybrid_budget_auto_equals_ar_through_every_switch(pair, monkeypatch):
     keeps the drafter's context as it goes: a catch-up would run tokens through the recurrent state twice.)"""
     import itertools
     import budget
-    import ddtree
     _, target, drafter, _ = pair
-    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", (2, 6))
+    monkeypatch.setattr(budget, "AUTO_BUDGETS", (2, 6))
     # the schedule is forced: the calibration's timings would choose nothing here
     monkeypatch.setattr(budget, "calibrate", lambda engines, *_: {budget.name(c): 0.01 for c in engines})
     cycle = itertools.cycle(["ar", "chain", 6, "ar", "ar", 2, "chain", "ar", 6, 6, 2])

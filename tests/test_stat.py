@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 
+import budget
 import ddtree
 import sampler
 from ddtree import generate
@@ -186,7 +187,7 @@ def test_budget_auto_switching_mid_request_follows_the_target_law(pair, law, mon
     own_row control (tree rounds drawing the target's choice at the child's row) is rejected."""
     from budget import AutoBudget
     target, drafter = pair
-    monkeypatch.setattr(ddtree, "AUTO_BUDGETS", (2, 5))
+    monkeypatch.setattr(budget, "AUTO_BUDGETS", (2, 5))
     cycle = itertools.cycle([5, "chain", 2, "ar", 5, 2, "chain"])  # 7 rounds: each batch starts elsewhere
     monkeypatch.setattr(AutoBudget, "choose", lambda self: (next(cycle), False))
     kw = dict(method="ddtree", budget="auto")
