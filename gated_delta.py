@@ -130,17 +130,18 @@ def recurrent_gated_delta(q, k, v, g, beta, state):
 
 def _decays(G: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """exp(G_i - G_j) where mask[i, j], else 0. G [N, H, R], mask [N, R, R] -> [N, H, R, R]. Masked to -inf
-    BEFORE the exp: for a non-ancestor j, G_i - G_j can be large and positive, and its exp would overflow."""
+    BEFORE the exp: for a non-ancestor j, G_i - G_j can be large and positive, and its exp would overflow. In
+    place on the one [N, H, R, R] difference: at a large budget these matrices are what a verify's memory holds."""
     diff = G.unsqueeze(-1) - G.unsqueeze(-2)
-    return diff.masked_fill(~mask.unsqueeze(1), float("-inf")).exp()
+    return diff.masked_fill_(~mask.unsqueeze(1), float("-inf")).exp_()
 
 
 def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """(I + A)^{-1} rhs for A strictly lower triangular (rows in topological order, so an ancestor's index is
-    smaller). Forward substitution (triangular solve, LAPACK trtrs / cuBLAS trsm): exact in the sense that it
-    performs the recurrence's own dependency order, needs no pivoting (unit diagonal) and no inverse."""
-    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    return torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+    """(I + A)^{-1} rhs for A's strictly lower triangle (rows in topological order, so an ancestor's index is
+    smaller); A's diagonal and upper triangle are never read (unitriangular), so A may hold anything there.
+    Forward substitution (triangular solve, LAPACK trtrs / cuBLAS trsm): exact in the sense that it performs the
+    recurrence's own dependency order, needs no pivoting (unit diagonal) and no inverse."""
+    return torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
 
 
 def tree_gated_delta(q, k, v, g, beta, state, anc):
@@ -159,16 +160,13 @@ def tree_gated_delta(q, k, v, g, beta, state, anc):
     if anc.dim() == 2:
         anc = anc.expand(q.shape[0], -1, -1)
     anc = anc.bool()
-    R = anc.shape[-1]
-    strict = anc & ~torch.eye(R, dtype=torch.bool, device=anc.device)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [N, H, R, D]
     G = torch.einsum("nij,njh->nhi", anc.to(g.dtype), g)  # [N, H, R]
     bh = beta.transpose(1, 2).unsqueeze(-1)  # [N, H, R, 1]
-    kk = kh @ kh.transpose(-1, -2)
-    A = bh * kk * _decays(G, strict)
+    decay = _decays(G, anc)  # ancestors and the row itself; the solve reads only the strict (ancestor) part
     rhs = bh * (vh - G.exp().unsqueeze(-1) * (kh @ state))
-    u = _solve_unit_lower(A, rhs)
-    attn = (qh @ kh.transpose(-1, -2)) * _decays(G, anc)
+    u = _solve_unit_lower((kh @ kh.transpose(-1, -2)).mul_(decay).mul_(bh), rhs)
+    attn = (qh @ kh.transpose(-1, -2)).mul_(decay)
     out = G.exp().unsqueeze(-1) * (qh @ state) + attn @ u
     return out.transpose(1, 2), u.transpose(1, 2), G.transpose(1, 2)
 
