@@ -187,3 +187,20 @@ def test_hybrid_moe_in_the_hub_layout_speculation_equals_ar(tmp_path):
             assert res.tokens == ar, (kw, prompt)
             deepest = max(deepest, max(res.stats["accepted"]))
     assert deepest >= 4
+
+
+def test_hybrid_steps_read_no_stale_output(pair, monkeypatch):
+    """Under the CUDA graph output emulation (conftest.GraphPool), a shrinking batch of sampled ddtree requests on
+    the hybrid target gives the same tokens: nothing of the recurrent commit reads a step's output after the next
+    step ran."""
+    import ddtree
+    from conftest import GraphPool
+    _, target, drafter, _ = pair
+    ps, seeds = prompts(4, seed=8), [1, 2, 3, 4]
+    run = lambda: [r.tokens for r in generate_batch(target, drafter, ps, method="ddtree", budget=8, max_new_tokens=20,
+                                                    seeds=seeds, stop_ids=[3], max_batch=4, temperature=1.0)]
+    plain = run()
+    assert len({len(t) for t in plain}) > 1 and max(map(len, plain)) >= 10, plain  # they end at different rounds
+    ddtree._ENGINES.clear()
+    pool = GraphPool().install(monkeypatch)
+    assert run() == plain and pool.poisoned > 0
