@@ -247,15 +247,15 @@ class Engine:
         draft_logits = self.draft(bonus, start)
         # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
         tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
-        mask, tree = self.tree_mask(start, parents)
+        mask, recurrent = self.tree_mask(start, parents)
         # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors
         # (recurrent layers: each row continues the committed state along its own path; docs/recurrent_tree.md).
-        rows, positions, logits, features = self.verify(bonus, tokens, depths, start, mask, tree)
+        rows, positions, logits, features = self.verify(bonus, tokens, depths, start, mask, recurrent)
         # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
         path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u)
         # 5. Commit: the path's K/V to contiguous slots after the prefix (recurrent layers: the state at its end),
         # its features to the drafter's context.
-        self.commit(start, path, length, positions, features, tree)
+        self.commit(start, path, length, positions, features, recurrent)
         tree = (tokens, parents, depths, path) if self.show_tree else None
         tally = self.tally(draft_logits, tokens, path, length, next_token)
         return rows.gather(1, path), length, next_token, ok, tree, tally
@@ -281,16 +281,16 @@ class Engine:
 
     def tree_mask(self, start, parents):
         """The verify mask (prefix + ancestors) and the tree as the recurrent layers take it."""
-        tree = Recurrent.tree(parents, ancestor_matrix(parents, self.reach, dtype=torch.uint8))
-        return self.verify_mask.set(start, tree.anc), tree
+        recurrent = Recurrent.tree(parents, ancestor_matrix(parents, self.reach, dtype=torch.uint8))
+        return self.verify_mask.set(start, recurrent.anc), recurrent
 
-    def verify(self, bonus, tokens, depths, start, mask, tree=None):
+    def verify(self, bonus, tokens, depths, start, mask, recurrent=None):
         """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row."""
         rows = torch.cat([bonus[:, None], tokens], dim=1)
         positions = start[:, None] + torch.cat([depths[:, :1] * 0, depths], dim=1)
         slots = start[:, None] + torch.arange(self.nodes + 1, device=rows.device)
         logits, features = self.target(rows, positions, slots, mask, feature_layers=self.feature_layers,
-                                       recurrent=tree)
+                                       recurrent=recurrent)
         return rows, positions, logits, features
 
     def accept(self, logits, tokens, parents, q, noise, accept_u):
@@ -306,9 +306,9 @@ class Engine:
         choices, ok = self.pick(logits, noise)
         return (*walk_tree(parents, tokens, choices, self.reach), ok)
 
-    def commit(self, start, path, length, positions, features, tree):
+    def commit(self, start, path, length, positions, features, recurrent):
         compact_kv(self.target.kv_caches(), start, path)
-        self.target.commit_recurrent(tree, path, length)
+        self.target.commit_recurrent(recurrent, path, length)
         picked = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
         self.extend_context(start, picked, positions.gather(1, path))
 
