@@ -68,9 +68,8 @@ def greedy(target, drafter, prompt, **kw):
 
 
 def transformers_greedy(hf, prompt, n):
-    """Greedy tokens from full forwards without a cache: the reference's plainest path. (Its cached `generate`
-    on these float64 checkpoints departs from its own uncached forward within a few tokens, while ours stays on
-    it.)"""
+    """Greedy tokens from full forwards without a cache: the reference's plainest path (its `generate` would take
+    token 0 of these 4-token prompts for padding unless given an attention mask)."""
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(n):
