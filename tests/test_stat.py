@@ -200,3 +200,31 @@ def test_budget_auto_switching_mid_request_follows_the_target_law(pair, law, mon
             bad, _ = st.draw_samples(target, drafter, PROMPT, N_TOKENS, 400, seed0=0, batch=16, **kw, **WARP)
         bp, _, _, btv = st.chi_square(law.counts(bad), law.probs)
         assert bp < ALPHA, f"planted bug own_row not detected: p = {bp:.3e}, TV = {btv:.4f}"
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    paths = st.write_random_pair(str(tmp_path_factory.mktemp("stat-hybrid")), VOCAB, seed=2, target_std=0.4,
+                                 draft_std=0.4, block_size=3, hybrid=True)
+    return st.load_pair(*paths)
+
+
+def test_sampled_ddtree_on_a_hybrid_target_follows_the_law(hybrid_pair):
+    """A hybrid target (Gated DeltaNet + gated attention): sampled ddtree follows the exact law of the first 4 new
+    tokens (4, so that later rounds stand on committed recurrent states), and the planted bugs are rejected: a tree
+    walk reading its own row's noise, and recurrent layers that drop the accepted drafts from their state."""
+    target, drafter = hybrid_pair
+    n, kw = N_TOKENS, dict(method="ddtree", budget=5)
+    with st.attention("dense"):
+        law = st.exact_law(target, PROMPT, n, st.Sampling(**WARP))
+        drawn, stats = st.draw_samples(target, drafter, PROMPT, n, 1000, seed0=0, **kw, **WARP)
+        p, _, outside, tv = st.chi_square(law.counts(drawn), law.probs)
+        assert stats["drafts_per_round"] > MIN_DRAFTS_PER_ROUND, stats
+        assert outside == 0 and p >= ALPHA, f"p = {p:.3e}, TV = {tv:.4f}, {outside} outside the support"
+        print(f"hybrid ddtree: p = {p:.3f}, TV = {tv:.4f}, drafts per round {stats['drafts_per_round']:.2f}")
+        for control, samples in (("stale_commit", 400), ("own_row", 300)):
+            with st.planted(control, "ddtree", False):
+                bad, _ = st.draw_samples(target, drafter, PROMPT, n, samples, seed0=0, **kw, **WARP)
+            bp, _, _, btv = st.chi_square(law.counts(bad), law.probs)
+            print(f"  planted {control}: p = {bp:.2e}, TV = {btv:.3f}")
+            assert bp < ALPHA, f"planted bug {control} not detected: p = {bp:.3e}, TV = {btv:.4f}"
