@@ -281,7 +281,7 @@ class Engine:
 
     def tree_mask(self, start, parents):
         """The verify mask (prefix + ancestors) and the tree as the recurrent layers take it."""
-        recurrent = Recurrent.tree(parents, ancestor_matrix(parents, self.reach, dtype=torch.uint8))
+        recurrent = Recurrent.tree(parents, ancestor_matrix(parents, self.reach, dtype=torch.uint8), self.reach)
         return self.verify_mask.set(start, recurrent.anc), recurrent
 
     def verify(self, bonus, tokens, depths, start, mask, recurrent=None):

@@ -136,6 +136,24 @@ def _decays(G: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return diff.masked_fill_(~mask.unsqueeze(1), float("-inf")).exp_()
 
 
+# How tree_gated_delta solves (I + A) u = rhs. "triangular": forward substitution (LAPACK trtrs / cuBLAS trsm),
+# R^2 Dv work per head, one row after another. "series": u = rhs - A u repeated `depth` times, exact because A
+# links a row only to its strict ancestors, so A^(depth + 1) = 0 on a tree at most `depth` deep: depth R^2 Dv
+# work per head in plain matmuls, for a GPU where the substitution is slow or cannot be captured in a CUDA graph
+# (scripts/gpu_check.py times both). Read while tracing.
+TREE_SOLVE = "triangular"
+
+
+def _solve_series(A: torch.Tensor, rhs: torch.Tensor, depth: int) -> torch.Tensor:
+    """(I + A)^{-1} rhs for A's strictly lower triangle on a tree at most `depth` deep (A's diagonal is ignored):
+    the finite Neumann series sum_{k <= depth} (-A)^k rhs, as `depth` steps of u = rhs - A u."""
+    A = A.tril(-1)
+    u = rhs
+    for _ in range(depth):
+        u = rhs - A @ u
+    return u
+
+
 def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     """(I + A)^{-1} rhs for A's strictly lower triangle (rows in topological order, so an ancestor's index is
     smaller); A's diagonal and upper triangle are never read (unitriangular), so A may hold anything there.
@@ -144,7 +162,7 @@ def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
 
 
-def tree_gated_delta(q, k, v, g, beta, state, anc):
+def tree_gated_delta(q, k, v, g, beta, state, anc, depth: int | None = None):
     """Every row of a tree through the rule along its own root-to-row path, in one shot -> (out, u, G).
 
     q, k [N, R, H, Dk], v [N, R, H, Dv], g, beta [N, R, H], state [N, H, Dk, Dv] (the committed state),
@@ -155,7 +173,8 @@ def tree_gated_delta(q, k, v, g, beta, state, anc):
     j's ancestors, so one u per row serves every path through it, and no per-row state is ever formed:
         (I + A) u = beta * (v - exp(G) k S0),  A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j), j a strict ancestor
         out_i = exp(G_i) q_i S0 + sum_{j ancestor or i} (q_i . k_j) exp(G_i - G_j) u_j
-    Memory: [N, H, R, R] for the masks and dots, [N, R, H, Dv] for u; never R states of Dk x Dv.
+    Memory: [N, H, R, R] for the masks and dots, [N, R, H, Dv] for u; never R states of Dk x Dv. `depth`: the
+    tree's depth bound (draft positions), for TREE_SOLVE = "series".
     Returns out [N, R, H, Dv], u [N, R, H, Dv], G [N, R, H] (u and G are what commit_state needs)."""
     if anc.dim() == 2:
         anc = anc.expand(q.shape[0], -1, -1)
@@ -165,7 +184,9 @@ def tree_gated_delta(q, k, v, g, beta, state, anc):
     bh = beta.transpose(1, 2).unsqueeze(-1)  # [N, H, R, 1]
     decay = _decays(G, anc)  # ancestors and the row itself; the solve reads only the strict (ancestor) part
     rhs = bh * (vh - G.exp().unsqueeze(-1) * (kh @ state))
-    u = _solve_unit_lower((kh @ kh.transpose(-1, -2)).mul_(decay).mul_(bh), rhs)
+    A = (kh @ kh.transpose(-1, -2)).mul_(decay).mul_(bh)
+    series = TREE_SOLVE == "series" and depth is not None
+    u = _solve_series(A, rhs, depth) if series else _solve_unit_lower(A, rhs)
     attn = (qh @ kh.transpose(-1, -2)).mul_(decay)
     out = G.exp().unsqueeze(-1) * (qh @ state) + attn @ u
     return out.transpose(1, 2), u.transpose(1, 2), G.transpose(1, 2)
@@ -247,6 +268,7 @@ class Recurrent:
     valid: torch.Tensor | None = None
     parents: torch.Tensor | None = None
     anc: torch.Tensor | None = None
+    depth: int | None = None  # tree mode: how deep the tree can be (a bound known before the round)
     pending: dict = field(default_factory=dict)
 
     @classmethod
@@ -254,8 +276,8 @@ class Recurrent:
         return cls(valid=valid)
 
     @classmethod
-    def tree(cls, parents, anc) -> "Recurrent":
-        return cls(parents=parents, anc=anc)
+    def tree(cls, parents, anc, depth: int | None = None) -> "Recurrent":
+        return cls(parents=parents, anc=anc, depth=depth)
 
     @property
     def is_tree(self) -> bool:
@@ -362,7 +384,7 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
         v = v.reshape(N, T, Hv, Dv).to(f)
         if tree:
-            out, u, G = tree_gated_delta(q, k, v, g, beta, self.state, recurrent.anc)
+            out, u, G = tree_gated_delta(q, k, v, g, beta, self.state, recurrent.anc, recurrent.depth)
             recurrent.pending[self.index] = (mixed, k, u, G)
         else:
             rule = recurrent_gated_delta if T == 1 else chunk_gated_delta

@@ -93,8 +93,10 @@ def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 25
     slots = (prompt_len + torch.arange(n))[None].to(dev)
     parents = parents[None].to(dev)
 
+    depth = int(depths.max())  # the bound the engine would pass (its draft positions), here the tree's own
+
     def forward(tokens, positions, slots, block_mask, parents, anc):
-        tree = Recurrent.tree(parents, anc)
+        tree = Recurrent.tree(parents, anc, depth)
         logits, _ = target(tokens, positions, slots, block_mask, recurrent=tree)
         return (logits, *(t for i in sorted(tree.pending) for t in tree.pending[i][1:]))
 

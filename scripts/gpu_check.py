@@ -53,6 +53,7 @@ from benchlib import (batched_run, round_header, round_row, round_split, sync, t
                       verify_ms, write_json)
 import budget as budget_auto  # noqa: E402 (budget: a loop variable's name here)
 import ddtree  # noqa: E402
+import gated_delta  # noqa: E402
 import model  # noqa: E402
 from budget import AutoBudget  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
@@ -651,7 +652,8 @@ def build_hybrid_target(shape, device, dtype):
 def hybrid_sections(c: Check, bandwidth):
     """The Qwen3.5-27B-shaped hybrid: the AR step beside its floor (weights plus the recurrent states read and
     written back per token, over the copy bandwidth; the attention layers' K/V at context 512, 34 MB, left out),
-    eager, compiled and with CUDA graphs as the dense part runs it; then the verify forward per --hybrid-budgets,
+    eager, compiled and with CUDA graphs as the dense part runs it; then the verify forward per --hybrid-budgets
+    (and per --hybrid-series-budgets with the tree rule's solve as a series of matmuls),
     compiled as the engine compiles it, with the recurrent layers in tree mode (the ancestor-masked WY form: a
     few [H, R, R] matrices per layer, no state per tree row), its time beside the AR step and its extra peak
     device memory over what the target and its caches hold."""
@@ -672,16 +674,21 @@ def hybrid_sections(c: Check, bandwidth):
         hy[f"ar_{mode}_ms"] = ms
         c.say(f"hybrid AR step {mode:10s}: {ms:7.2f} ms ({ms / floor_ms:.2f}x the floor); first call {first_s:.1f} s")
 
-    def verify(budget):
+    def verify(budget, solve="triangular"):
         base = torch.cuda.memory_allocated() if c.device.type == "cuda" else 0
         if c.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        hy["verify_ms"][budget] = ms = timed(tree_verify(target, budget, c.compile, prompt_len=512), c.device,
-                                             c.a.repeats)[0]
+        saved, gated_delta.TREE_SOLVE = gated_delta.TREE_SOLVE, solve  # read while tracing
+        try:
+            ms = timed(tree_verify(target, budget, c.compile, prompt_len=512), c.device, c.a.repeats)[0]
+        finally:
+            gated_delta.TREE_SOLVE = saved
+        key = "" if solve == "triangular" else f"_{solve}"
+        hy.setdefault(f"verify{key}_ms", {})[budget] = ms
         extra = (torch.cuda.max_memory_allocated() - base) / 1e9 if c.device.type == "cuda" else None
-        hy["verify_extra_gb"][budget] = extra
+        hy.setdefault(f"verify{key}_extra_gb", {})[budget] = extra
         ar = hy.get("ar_cudagraphs_ms") or hy.get("ar_compiled_ms") or hy.get("ar_eager_ms") or ms
-        c.say(f"hybrid verify B={budget:4d}: {ms:8.2f} ms ({ms / ar:.1f}x the AR step)"
+        c.say(f"hybrid verify B={budget:4d} ({solve}): {ms:8.2f} ms ({ms / ar:.1f}x the AR step)"
               + (f", extra peak {extra:.2f} GB" if extra is not None else ""))
 
     modes = ["eager"] + (["compiled"] + (["cudagraphs"] if c.device.type == "cuda" else []) if c.compile else [])
@@ -689,6 +696,8 @@ def hybrid_sections(c: Check, bandwidth):
         c.run(f"hybrid AR step {mode}", lambda: ar_mode(mode), graphs=0 if mode == "eager" else 1)
     for budget in c.a.hybrid_budgets:
         c.run(f"hybrid verify B={budget}", lambda: verify(budget), graphs=1)
+    for budget in c.a.hybrid_series_budgets:  # the tree rule's solve as a series of matmuls instead
+        c.run(f"hybrid verify B={budget} series", lambda: verify(budget, "series"), graphs=1)
 
 
 def main():
@@ -713,6 +722,8 @@ def main():
     p.add_argument("--batches", type=int, nargs="*", default=[4, 16])
     p.add_argument("--moe-budgets", type=int, nargs="*", default=[16, 64, 256, 512])
     p.add_argument("--hybrid-budgets", type=int, nargs="*", default=[16, 64, 256, 512])
+    p.add_argument("--hybrid-series-budgets", type=int, nargs="*", default=[512],
+                   help="budgets whose verify is also timed with gated_delta.TREE_SOLVE = 'series'")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--deadline", type=float, default=520,
                    help="seconds: a section starts only if its compiles, at the measured time per graph, end before")

@@ -245,3 +245,43 @@ def test_worked_example_of_the_doc():
     torch.testing.assert_close(out.flatten(), torch.tensor([1.25, 2.3125, 0.3125, 3.578125], dtype=torch.float64))
     S = gd.commit_state(state, one, u, G, anc[3].unsqueeze(0))
     assert S.item() == pytest.approx(3.578125, abs=1e-14)
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 24), pad=st.integers(0, 4), seed=st.integers(0, 10**6))
+def test_series_solve_equals_the_triangular_one_at_the_trees_depth(B, pad, seed):
+    """TREE_SOLVE = "series" (the finite Neumann series, for GPUs) gives the triangular solve's rows when told the
+    tree's depth."""
+    gen = torch.Generator().manual_seed(seed)
+    pad = min(pad, B - 1)
+    parents = random_parents(gen, 2, B, pad)
+    anc = draft_tree.ancestor_matrix(parents)
+    depth = int(anc.sum(-1).max()) - 1  # the deepest row's ancestors, itself excluded
+    q, k, v, g, beta, state, *_ = make_inputs(2, B + 1, 2, 4, 3, 5, seed)
+    want = gd.tree_gated_delta(q, k, v, g, beta, state, anc, depth)
+    saved, gd.TREE_SOLVE = gd.TREE_SOLVE, "series"
+    try:
+        got = gd.tree_gated_delta(q, k, v, g, beta, state, anc, depth)
+    finally:
+        gd.TREE_SOLVE = saved
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_series_solve_needs_the_whole_depth(monkeypatch):
+    """On a chain of 6 drafts whose rows all write the same key at full strength (beta 1, no decay), every power of
+    A counts: the series with the chain's depth is the triangular solve, one step short is far from it."""
+    R, depth = 7, 6
+    parents = torch.arange(R - 1)[None]
+    anc = draft_tree.ancestor_matrix(parents)
+    k = torch.zeros(1, R, 1, 2, dtype=torch.float64)
+    k[..., 0] = 1.0
+    q, v = k.clone(), torch.randn(1, R, 1, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    g, beta, state = torch.zeros(1, R, 1, dtype=torch.float64), torch.ones(1, R, 1, dtype=torch.float64), \
+        torch.zeros(1, 1, 2, 3, dtype=torch.float64)
+    want, _, _ = gd.tree_gated_delta(q, k, v, g, beta, state, anc, depth)
+    monkeypatch.setattr(gd, "TREE_SOLVE", "series")
+    got, _, _ = gd.tree_gated_delta(q, k, v, g, beta, state, anc, depth)
+    short, _, _ = gd.tree_gated_delta(q, k, v, g, beta, state, anc, depth - 1)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert (short - want).abs().max() > 0.1

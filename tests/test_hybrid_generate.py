@@ -203,3 +203,20 @@ def test_hybrid_steps_read_no_stale_output(pair, monkeypatch):
     ddtree._ENGINES.clear()
     pool = GraphPool().install(monkeypatch)
     assert run() == plain and pool.poisoned > 0
+
+
+def test_hybrid_series_solve_in_the_engine_equals_ar(pair, monkeypatch):
+    """With the tree rule's solve as the finite series (gated_delta.TREE_SOLVE = "series", sized by the engine's
+    depth bound), greedy ddtree still gives AR's tokens while accepting deep paths."""
+    import gated_delta
+    _, target, drafter, _ = pair
+    monkeypatch.setattr(gated_delta, "TREE_SOLVE", "series")
+    steps, series = [], gated_delta._solve_series
+    monkeypatch.setattr(gated_delta, "_solve_series", lambda A, rhs, depth: steps.append(depth) or series(A, rhs, depth))
+    deepest = 0
+    for prompt in prompts(3, seed=2):
+        res = greedy(target, drafter, prompt, method="ddtree", budget=64)
+        assert res.tokens == greedy(target, None, prompt, method="ar").tokens, prompt
+        deepest = max(deepest, max(res.stats["accepted"]))
+    assert deepest >= 5
+    assert set(steps) == {drafter.block_size - 1}  # the series ran, as deep as a draft can go
