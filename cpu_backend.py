@@ -1,7 +1,7 @@
 """CPU-only speed, behind one seam: what a compiled CPU engine adds to the GPU path, and nothing a GPU run uses.
-A reader of the round can skip this file. The engine calls `prepare` once when it is built on a CPU with
-compile (it gives the models' linears and attention layers their CPU classes, CpuLinear and CpuAttention), and
-`compile_frozen` for compile="max-autotune".
+A reader of the round can skip this file. A compiled engine built on a CPU makes one call, `compile_round`: it
+gives the models' linears and attention layers their CPU classes (CpuLinear, CpuAttention; `prepare`) and compiles
+the round (frozen and autotuned for compile="max-autotune": `compile_frozen`).
 
 - The attention kernel (cpu_attention.cpp): a round's few query rows under a PrefixMask, several times faster than
   FlexAttention's CPU template at these sizes (docs/compile.md, "CPU attention kernel").
@@ -25,6 +25,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import Attention, Linear
+
+
+def compile_round(step, target, drafter, compile) -> tuple:
+    """A CPU engine's compiled round: (the compiled step, the inductor options its compiling calls run under,
+    the seconds spent building the attention kernel). The models get their CPU classes first (prepare);
+    compile="max-autotune" freezes the weights into autotuned graphs (compile_frozen), compile=True is a plain
+    fullgraph compile (no CUDA graphs to ask for; the prefill stays eager: docs/compile.md, "Eager prefill on
+    CPU")."""
+    frozen = compile == "max-autotune"
+    seconds = prepare(target, drafter, frozen)
+    if frozen:
+        return compile_frozen(step), AUTOTUNE_OPTIONS, seconds
+    return torch.compile(step, dynamic=False, fullgraph=True), {}, seconds
 
 
 def prepare(target, drafter, frozen: bool) -> float:

@@ -488,16 +488,13 @@ class Engine:
             # Room for a few engines (settings, budgets) before dynamo falls back to eager.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             writable_inductor_cache()
-            if self.device.type == "cpu":  # CPU-only speed, behind one call (cpu_backend.py)
-                self.build_seconds = cpu_backend.prepare(target, drafter, frozen=compile == "max-autotune")
-            if compile == "max-autotune" and self.device.type == "cpu":
-                self.round = cpu_backend.compile_frozen(self.round)
-                self.compile_options = cpu_backend.AUTOTUNE_OPTIONS
-            else:  # CUDA graphs where available ("max-autotune" includes them)
-                mode = None if self.device.type == "cpu" else ("reduce-overhead" if compile is True else compile)
+            if self.device.type == "cpu":  # the CPU's compile and its speed, behind one call (cpu_backend.py)
+                self.round, self.compile_options, self.build_seconds = cpu_backend.compile_round(
+                    self.round, target, drafter, compile)
+            else:  # CUDA graphs ("max-autotune" includes them); the prefill is compiled too
+                mode = "reduce-overhead" if compile is True else compile
                 self.round = torch.compile(self.round, dynamic=False, fullgraph=True, mode=mode)
-                if self.compile_prefill:
-                    self.prefill_step = torch.compile(self.prefill_step, dynamic=False, fullgraph=True, mode=mode)
+                self.prefill_step = torch.compile(self.prefill_step, dynamic=False, fullgraph=True, mode=mode)
 
     def warm_up_slots(self) -> int:
         """The cache slots warm_up's dummy request writes in every row: a prefill chunk, then a round's rows after
