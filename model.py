@@ -175,8 +175,9 @@ def _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, kv_num_blocks, kv_ind
 
 
 def run_layer(layer, x, cos, sin, cache_pos, mask):
-    """layer(x, ...), through the layers' one compiled region when compiling (see the switch above)."""
-    if COMPILE_LAYERS_ONCE and torch.compiler.is_compiling() and not torch._inductor.config.freezing:
+    """layer(x, ...), through the layers' one compiled region (see the switch above; outside a compiled graph the
+    region is a plain call)."""
+    if COMPILE_LAYERS_ONCE and not torch._inductor.config.freezing:
         if hasattr(mask, "prefix_tensors"):
             # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the
             # mask goes in as its tensors and is rebuilt inside, so each distinct layer is traced once.
