@@ -206,3 +206,24 @@ def load_pair(files: dict):
 @pytest.fixture(scope="session")
 def random_pair_files(tmp_path_factory):
     return write_random_pair(tmp_path_factory.mktemp("random-pair"))
+
+
+def written_once(root, write):
+    """name -> (its directory under root, write(name, directory)): each checkpoint written on first use, then
+    shared (the module fixtures' checkpoint cache)."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            path = str(root / name)
+            built[name] = (path, write(name, path))
+        return built[name]
+
+    return get
+
+
+def random_prompts(n: int, vocab: int, longest: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of 1 to longest - 1 random token ids, the same for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, longest, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from conftest import random_prompts
 from ddtree import generate, generate_batch
 from drafter import DFlashDrafter
 from model import Qwen3
@@ -58,9 +59,7 @@ def pair(tmp_path_factory):
 
 
 def prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return random_prompts(n, VOCAB, 20, seed)
 
 
 def greedy(target, drafter, prompt, **kw):

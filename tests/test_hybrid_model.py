@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import draft_tree
+from conftest import written_once
 from model import Qwen3, Recurrent
 from tree_attn import PrefixMask, causal, compact_kv
 
@@ -104,17 +105,9 @@ def write_variant(name, path, seed):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """ckpt(name) -> (directory, transformers' model holding its weights), built once per module."""
-    root = tmp_path_factory.mktemp("hybrid_ckpts")
-    built = {}
-
-    def get(name):
-        if name not in built:
-            path = str(root / name)
-            built[name] = (path, write_variant(name, path, seed=list(VARIANTS).index(name) + 1))
-        return built[name]
-
-    return get
+    """ckpt(name) -> (directory, transformers' model holding its weights); built once per module."""
+    return written_once(tmp_path_factory.mktemp("hybrid_ckpts"),
+                        lambda name, path: write_variant(name, path, seed=list(VARIANTS).index(name) + 1))
 
 
 @contextlib.contextmanager

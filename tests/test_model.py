@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 import loading
 import model as model_mod
+from conftest import written_once
 from model import Qwen3
 from scripts.checkpoints import layer_weights, qwen3_config, save_checkpoint
 from tree_attn import PrefixMask, causal
@@ -149,16 +150,8 @@ def file_keys(path):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """ckpt(name) -> (directory, the in-memory HF model whose weights it holds); built once per module."""
-    root = tmp_path_factory.mktemp("qwen3_ckpts")
-    built = {}
-
-    def get(name):
-        if name not in built:
-            path = str(root / name)
-            built[name] = (path, write_variant(name, path, seed=list(VARIANTS).index(name) + 1))
-        return built[name]
-
-    return get
+    return written_once(tmp_path_factory.mktemp("qwen3_ckpts"),
+                        lambda name, path: write_variant(name, path, seed=list(VARIANTS).index(name) + 1))
 
 
 def token_ids(n, seed=0):

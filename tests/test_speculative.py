@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import ddtree
 import cpu_backend
-from conftest import compiled_equals_eager
+from conftest import compiled_equals_eager, random_prompts
 from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter, default_target_layer_ids
 from model import Attention, Linear, Qwen3
@@ -44,9 +44,7 @@ def models(files):
 
 
 def prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return random_prompts(n, VOCAB, 30, seed)
 
 
 def greedy(target, drafter, prompt, **kw):
