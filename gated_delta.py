@@ -366,7 +366,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid().to(f)
         g = -self.A_log.to(f).exp() * F.softplus(self.in_proj_a(x).to(f) + self.dt_bias.to(f))
         weight = self.conv1d.weight[:, 0]
-        tree = recurrent is not None and recurrent.parents is not None
+        tree = recurrent is not None and recurrent.is_tree
         if tree:
             conv = tree_conv(mixed, weight, self.conv_state, recurrent.parents)
         else:
