@@ -20,6 +20,33 @@ class Result:
     trees: list = field(default_factory=list)  # with show_tree: (tokens, parents, depths, path, length) per round
 
 
+def run_waves(engine_for, prompts: list, seeds: list, stop: set, max_new_tokens: int, max_batch: int, on_tokens,
+              on_result, labels: dict) -> list[Result]:
+    """Every request to the end, in waves of up to max_batch (run_requests): engine_for(longest prompt of the wave)
+    gives the wave's engines by batch size. on_result(i, Result) gets request i's Result as soon as it ends, its
+    stats as of then (compile_seconds counts the compiling so far, budget auto's report its rounds so far) plus
+    `labels`."""
+    results = []
+    for first in range(0, len(prompts), max_batch):
+        wave = range(first, min(first + max_batch, len(prompts)))
+        engines = engine_for(max(len(prompts[i]) for i in wave))
+        engine = engines(batch_bucket(len(wave), max_batch))
+        auto = labels.get("budget") == "auto"
+        emit_to = on_tokens and (lambda j, new, first=first: on_tokens(first + j, new))
+
+        def ended(j, result, first=first, engine=engine):
+            result.stats.update(labels)
+            if auto:
+                result.stats["auto"] = engine.report()
+            if on_result is not None:
+                on_result(first + j, result)
+
+        # Budget auto keeps its batch: its candidates' costs are calibrated for one batch size.
+        results += run_requests(engine, [prompts[i] for i in wave], [seeds[i] for i in wave], stop, max_new_tokens,
+                                emit_to, None if auto else engines, ended)
+    return results
+
+
 def run_requests(engine, prompts: list, seeds: list, stop: set, max_new_tokens: int,
                  on_tokens, engine_for=None, ended=None) -> list[Result]:
     """Run one batch of requests on `engine` to the end: prefill, then rounds until every request has ended.

@@ -10,8 +10,8 @@ round runs the candidate with the best expected tokens per second, tokens per ro
   machine is busier).
 - Tokens per round are estimated from the run's own rounds. Plain decoding emits one. The best-first trees are
   nested (the tree of B' nodes is the first B' nodes of the tree of B >= B'), so one verified tree tells what
-  every smaller budget would have accepted in that round (draft_tree.accepted_within), and what the chain would
-  have (draft_tree.chain_accepted: the chain is the trees' most probable spine). Rounds at the chosen budget keep
+  every smaller budget would have accepted in that round (accepted_within), and what the chain would
+  have (chain_accepted: the chain is the trees' most probable spine). Rounds at the chosen budget keep
   every smaller candidate's estimate current; larger ones are probed: the first round of a run at the largest
   tree that could still win, later rounds at the next size up from the best, whenever probes have taken less
   than PROBE_SHARE of the run's time. A run starts from the previous run's estimates (of the same engine), weighted
@@ -26,6 +26,7 @@ round's own randomness. Probe rounds are ordinary rounds: their tokens count, an
 """
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -195,7 +196,7 @@ def auto_budgets(prompt_len: int, max_new_tokens: int, target) -> tuple:
 
 
 def auto_engine(make_engine, target, drafter, spec, budgets) -> "AutoBudget":
-    """The candidates, one engine each over the same caches (make_engine(method, drafter, spec, tally_budgets)):
+    """The candidates, one engine each over the same caches (make_engine(method, drafter, spec, tally)):
     plain decoding, the chain, and a tree per budget that also tallies every smaller budget and the chain. Plain
     decoding runs without the drafter (its context catches up when a speculative round follows), except on a
     recurrent target: there it keeps the drafter's context as it decodes (ddtree.Engine._decode), since a catch-up
@@ -204,7 +205,8 @@ def auto_engine(make_engine, target, drafter, spec, budgets) -> "AutoBudget":
     engines = {"ar": make_engine("ar", drafter if target.recurrent else None, Speculation()),
                "chain": make_engine("dflash", drafter, chain_spec)}
     for b in budgets:
-        engines[b] = make_engine("ddtree", drafter, replace(spec, budget=b), tuple(x for x in budgets if x <= b))
+        smaller = tuple(x for x in budgets if x <= b)
+        engines[b] = make_engine("ddtree", drafter, replace(spec, budget=b), functools.partial(tally, smaller))
     return AutoBudget(engines, drafter.block_size)
 
 
@@ -368,7 +370,8 @@ class AutoBudget:
         if candidate == "chain":
             self.tau["chain"].add(self.mean(engine.last_lengths, running) - 1)
         elif candidate != "ar":
-            for j, b in enumerate(engine.tally_budgets + ("chain",)):
+            smaller = tuple(c for c in self.engines if isinstance(c, int) and c <= candidate)  # auto_engine's
+            for j, b in enumerate(smaller + ("chain",)):
                 self.tau[b].add(self.mean([t[j] for t in engine.last_tally], running))
 
     def cost(self, candidate) -> float:
@@ -442,3 +445,47 @@ class AutoBudget:
                 tokens_per_s=None if self.tokens(c) is None or self.calibrated[name(c)] is None
                 else self.tokens(c) / self.cost(c))
                 for c in self.engines})
+
+
+def tally(budgets: tuple, draft_logits, tokens, path, length, next_token) -> torch.Tensor:
+    """A tree round's observation for budget auto, made inside the compiled round (Engine's `tally`):
+    [N, len(budgets) + 1], the drafts each of `budgets` and the chain would have accepted this round, read off this
+    one verified tree (the trees are nested; the chain is their spine)."""
+    within = accepted_within(path, length, budgets)
+    chain = chain_accepted(draft_logits.argmax(-1), tokens, path, length, next_token)
+    return torch.cat([within, chain[:, None]], dim=1)
+
+
+def accepted_within(path: torch.Tensor, length: torch.Tensor, budgets) -> torch.Tensor:
+    """Drafts each smaller budget would have accepted in the same round, read off one verified tree of budget B.
+
+    The trees are nested: the tree of B' <= B nodes is the first B' nodes of the tree of B (both are the first
+    nodes of the one global order: draft_tree.py, "Order"), so it holds row r iff 1 <= r <= B'. A walk down the smaller
+    tree, fed the same target choices, follows the same path until the path leaves it; rows grow along a path
+    (parents precede children), so that walk accepts exactly the path's rows <= B'. path [..., L + 1] and length
+    [...] as walk_tree returns them (path[0] = 0 is the root; `length` counts it); returns [..., len(budgets)]."""
+    steps = torch.arange(path.shape[-1], device=path.device)
+    on_path = (steps >= 1) & (steps < length[..., None])  # the accepted nodes, root excluded
+    limits = torch.as_tensor(budgets, device=path.device)
+    return ((path[..., None, :] <= limits[:, None]) & on_path[..., None, :]).sum(-1)
+
+
+def chain_accepted(chain: torch.Tensor, tokens: torch.Tensor, path: torch.Tensor, length: torch.Tensor,
+                   next_token: torch.Tensor) -> torch.Tensor:
+    """Drafts the DFlash chain would have accepted in the same round, read off one verified tree.
+
+    The chain is the drafter's argmax at every position, which is the tree's most probable spine: its first d
+    drafts are the best prefix of depth d. While the accepted path follows the chain, the target's choices are
+    the chain's; where the path leaves the chain (a draft d + 1 other than the chain's), the target chose that
+    other token after the shared d drafts, so the chain stops at d: exact. Where the path ends on the chain and
+    the target's next token is the chain's next draft, that node lay outside the tree (else the walk would have
+    taken it): the chain accepts at least one more, and this returns that lower bound. chain [..., L],
+    tokens [..., B], path [..., L + 1] and length [...] as walk_tree returns them, next_token [...]; returns
+    [...] long."""
+    L = chain.shape[-1]
+    drafts = length - 1
+    steps = torch.arange(L, device=chain.device)
+    on_path = tokens.gather(-1, (path[..., 1:] - 1).clamp(min=0))  # the accepted drafts' tokens, depth by depth
+    shared = ((on_path == chain) & (steps < drafts[..., None])).long().cumprod(-1).sum(-1)
+    following = chain.gather(-1, shared.clamp(max=L - 1)[..., None])[..., 0]
+    return shared + ((shared == drafts) & (shared < L) & (following == next_token)).long()

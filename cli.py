@@ -12,12 +12,11 @@ import time
 import warnings
 
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate, generate_batch
-from draft_tree import format_tree
 from drafter import DFlashDrafter
 from model import Qwen3
 from sampler import Sampling
-from settings import AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, check_applies, check_int
-from text import Streamer, Text
+from settings import AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, check_applies, check_int, check_sampling, grouped
+from text import Streamer, Text, format_tree
 
 
 def parse_args(argv):
@@ -95,7 +94,8 @@ def settings_from_args(args) -> dict:
                   draft_sampling=args.draft_sampling, show_tree=args.show_tree)
     given = {k: v for k, v in values.items() if v is not None}
     flags = set(given) | ({"draft"} if args.draft is not None else set())
-    Sampling(given["temperature"], given.get("top_k", 0), given.get("top_p", 1.0), given.get("min_p", 0.0))
+    check_sampling(Sampling(given["temperature"], given.get("top_k", 0), given.get("top_p", 1.0),
+                            given.get("min_p", 0.0)))
     check_applies(args.method, given["temperature"] == 0, sorted(flags), spell=lambda n: "--" + n.replace("_", "-"))
     return given
 
@@ -129,7 +129,7 @@ def run_cli(args) -> int:
     streamer = Streamer(text, None if args.json else sys.stdout)
     try:
         res = generate(target, drafter, prompts[0], method=args.method, compile=compile_mode(args),
-                       on_tokens=streamer, **settings)
+                       on_tokens=streamer, **grouped(settings))
     except KeyboardInterrupt:
         # What was committed stays printed; the summary says where it stopped. 130 = 128 + SIGINT, as shells do.
         if args.json:
@@ -186,7 +186,7 @@ def run_batch(args, target, drafter, text, prompts, seeds, settings) -> int:
 
     try:
         results = generate_batch(target, drafter, prompts, method=args.method, compile=compile_mode(args),
-                                 seeds=seeds, max_batch=batch, on_result=print_line, **settings)
+                                 seeds=seeds, max_batch=batch, on_result=print_line, **grouped(settings))
     except KeyboardInterrupt:
         print(f"[{args.method}] interrupted after {len(done)} of {len(prompts)} requests", file=sys.stderr)
         return 130

@@ -8,6 +8,7 @@ the round (frozen and autotuned for compile="max-autotune": `compile_frozen`).
 - Frozen max-autotune graphs with oneDNN copies of the weights (docs/compile.md, "Few-row matmuls on CPU").
 - One-row matmuls of compiled graphs as a fused multiply-and-sum (docs/compile.md, "one-row Linear on CPU").
 - Inductor's ISA probe started early (docs/compile.md, "ISA probe").
+- Eager CPU engines attend with SDPA under materialized masks (`dense_masks`).
 """
 
 import functools
@@ -25,6 +26,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import Attention, Linear
+
+
+# Eager CPU engines: "sdpa" (masks materialized for SDPA) or "flex" (eager FlexAttention, which on the CPU runs a
+# vmapped math fallback, far slower).
+EAGER_CPU_ATTENTION = "sdpa"
+
+
+def dense_masks(device_type: str) -> bool:
+    """Whether the eager steps of an engine on this device take their masks materialized (PrefixMask(dense=True),
+    for SDPA) rather than as BlockMasks: on the CPU by default (EAGER_CPU_ATTENTION), never on a GPU."""
+    return device_type == "cpu" and EAGER_CPU_ATTENTION == "sdpa"
 
 
 def compile_round(step, target, drafter, compile) -> tuple:
@@ -116,7 +128,7 @@ def compile_frozen(step):
     closure: dynamo then reaches the weights through the closure, inlines them as constants and guards on this
     engine's step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first
     call (and at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze
-    (torch 2.13): so a caller sets the options around each call that may compile (ddtree.call_compiled), and
+    (torch 2.13): so a caller sets the options around each call that may compile (compiling.call_compiled), and
     nothing else in the process sees them."""
     return torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
 

@@ -14,16 +14,15 @@ Reading order: generate() -> Engine.step (one round, its randomness and its one 
 (five stages, each one call into the file that owns it: drafter.py, draft_tree.py + tree_attn.py, model.py,
 sampler.py, tree_attn.py) -> the engine's buffers and compile. Around it, one concern per file: batch.py (the
 decoding loop, shrinking batches), budget.py (budget auto), settings.py (Speculation, argument checks), cli.py
-(the command line), cpu_backend.py (CPU-only speed), gated_delta.py (recurrent layers, docs/recurrent_tree.md).
+(the command line), compiling.py (torch.compile, CUDA graphs), cpu_backend.py (CPU-only speed), gated_delta.py
+(recurrent layers, docs/recurrent_tree.md).
 docs/round.md walks through one round with a picture of its tree and mask.
 """
 
-import contextlib
 import functools
 import os
 import signal
 import sys
-import tempfile
 import time
 import warnings
 
@@ -32,18 +31,20 @@ if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 qui
 
 import torch  # noqa: E402
 
+import compiling
 import cpu_backend
-from batch import Result, batch_bucket, run_requests
+from batch import Result, run_waves
 from budget import AutoBudget, auto_budgets, auto_engine
-from draft_tree import accepted_within, ancestor_matrix, build_tree, build_tree_heap, chain_accepted
+from draft_tree import ancestor_matrix, build_tree, build_tree_heap
 from drafter import DFlashDrafter
-from model import Qwen3, Recurrent
+from gated_delta import Recurrent
+from model import Qwen3
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
-from settings import Speculation, check_request, check_speculation, verify_rows
+from settings import Speculation, check_request, check_settings, verify_rows
 from tree_attn import PrefixMask, causal, compact_kv, round_up
 
-# Eager FlexAttention (eager engines on CUDA, EAGER_CPU_ATTENTION = "flex") warns that it materializes the scores:
-# it does, by design of the eager path; --compile is the fused kernel.
+# Eager FlexAttention (eager engines on CUDA, cpu_backend.EAGER_CPU_ATTENTION = "flex") warns that it materializes
+# the scores: it does, by design of the eager path; --compile is the fused kernel.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 # Prompt rows per target forward, fixed per device so that one compiled graph serves every prompt length. On the
@@ -51,7 +52,6 @@ warnings.filterwarnings("ignore", message="flex_attention called without torch.c
 # 128 (the weights' reads dominate), and a 30K-token prompt takes 59 forwards instead of 235.
 PREFILL_CHUNK = 128
 PREFILL_CHUNKS = {"cuda": 512}
-EAGER_CPU_ATTENTION = "sdpa"  # eager CPU engines: "sdpa" (the mask materialized) or "flex" (eager FlexAttention)
 DEFAULT_TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-target")
 DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-draft")
 
@@ -61,20 +61,18 @@ DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets
 
 
 def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
-             budget: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop_ids=None, compile: bool | str = False,
-             on_tokens=None, draft_temperature: float = 1.0, draft_sampling: bool = False, denoise_steps: int = 1,
-             show_tree: bool = False) -> Result:
+             budget: int | str | None = None, max_new_tokens: int = 256, sampling: Sampling | None = None,
+             seed: int | None = None, stop_ids=None, compile: bool | str = False, on_tokens=None,
+             speculation: Speculation | None = None) -> Result:
     """Generate up to `max_new_tokens` after `prompt_ids` (a list of ints or a 1-D integer tensor): the
     one-request case of generate_batch.
 
     budget: ddtree's tree size (default 512), or "auto": each round runs the candidate (plain decoding, the chain,
-    or a tree of budget.AUTO_BUDGETS nodes) with the best tokens/s measured on this device (budget.py; its
-    estimates in stats["auto"]). on_tokens(list[int]) is called with the tokens each round emits
-    (for streaming). draft_temperature: the drafter's temperature for building trees (ddtree; 1 as in the
-    paper); draft_sampling: dflash samples its chain from the warped draft law and verifies with min(1, p/q)
-    (needs temperature > 0); denoise_steps: drafter passes per round; show_tree: keep each round's tree in
-    Result.trees. A setting that cannot apply to the method (or top_k/top_p/min_p with greedy decoding) is a
+    or a tree of settings.AUTO_BUDGETS nodes) with the best tokens/s measured on this device (budget.py; its
+    estimates in stats["auto"]). sampling: how the target's tokens are drawn (sampler.Sampling: temperature,
+    top_k, top_p, min_p; default greedy). speculation: how rounds draft (settings.Speculation: draft_temperature,
+    draft_sampling, denoise_steps, show_tree). on_tokens(list[int]) is called with the tokens each round emits
+    (for streaming). A setting that cannot apply to the method (or top_k/top_p/min_p with greedy decoding) is a
     ValueError, not silently ignored; bad values are a ValueError or TypeError saying what is expected.
 
     stats: new_tokens, rounds, accepted (tokens each round emitted; their sum is new_tokens - 1, the first token
@@ -84,19 +82,14 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
     """
     if on_tokens is not None and not callable(on_tokens):
         raise TypeError(f"on_tokens must be a function of a list of token ids, got {on_tokens!r}")
-    return generate_batch(target, drafter, [prompt_ids], method=method, budget=budget, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=[seed],
-                          stop_ids=stop_ids, compile=compile, on_tokens=on_tokens and (lambda i, new: on_tokens(new)),
-                          draft_temperature=draft_temperature, draft_sampling=draft_sampling,
-                          denoise_steps=denoise_steps, show_tree=show_tree, max_batch=1)[0]
+    return generate_batch(target, drafter, [prompt_ids], method, budget, max_new_tokens, sampling, [seed], stop_ids,
+                          compile, on_tokens and (lambda i, new: on_tokens(new)), speculation, max_batch=1)[0]
 
 
 def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=(), method: str = "ddtree",
-                   budget: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                   top_p: float = 1.0, min_p: float = 0.0, seeds=None, stop_ids=None, compile: bool | str = False,
-                   on_tokens=None, draft_temperature: float = 1.0, draft_sampling: bool = False,
-                   denoise_steps: int = 1, show_tree: bool = False, max_batch: int = 16,
-                   on_result=None) -> list[Result]:
+                   budget: int | str | None = None, max_new_tokens: int = 256, sampling: Sampling | None = None,
+                   seeds=None, stop_ids=None, compile: bool | str = False, on_tokens=None,
+                   speculation: Speculation | None = None, max_batch: int = 16, on_result=None) -> list[Result]:
     """generate() for many independent requests at once: one Result per prompt, in order.
 
     The requests run together, up to `max_batch` at a time, each with its own committed length, tree, RoPE
@@ -104,40 +97,23 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     seeds[i] in the order generate(seed=seeds[i]) draws it, so it is the same sample as the lone run (seeds:
     one int or None per prompt; None = a fresh seed). A request that ends (stop token, token limit) stops
     emitting while the rest go on. on_tokens(i, list[int]) streams request i's tokens; on_result(i, Result) gets
-    request i's Result as soon as it ends (its stats as of then: compile_seconds counts the compiling so far, and
-    budget auto's report its rounds so far), before later requests end. Batches are padded to a
-    power of two, so a few compiled graphs serve every batch size, and a batch moves to the next smaller power of
-    two as its requests end (stats["batch"] is the size it started at). Other settings and stats: as generate().
+    request i's Result as soon as it ends (batch.run_waves). Batches are padded to a power of two, so a few
+    compiled graphs serve every batch size, and a batch moves to the next smaller power of two as its requests
+    end (stats["batch"] is the size it started at). Other settings and stats: as generate().
     """
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    spec = check_speculation(method, sampling, budget, draft_temperature, draft_sampling, denoise_steps, show_tree)
+    sampling, spec = check_settings(method, sampling, budget, speculation)
     prompts, seeds, stop = check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec,
-                                         compile, on_tokens, max_batch)
-    if on_result is not None and not callable(on_result):
-        raise TypeError(f"on_result must be a function of (request index, Result), got {on_result!r}")
-    results = []
+                                         compile, on_tokens, max_batch, on_result)
+
+    def engine_for(longest: int):  # the engine (by batch size) for a wave whose longest prompt has this length
+        budgets = auto_budgets(longest, max_new_tokens, target) if spec.budget == "auto" else ()
+        length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets, target.device.type)
+        return functools.partial(get_engine, target, drafter if method != "ar" else None, method, sampling, spec,
+                                 length, compile, auto=budgets)
+
     with torch.inference_mode():
-        for first in range(0, len(prompts), max_batch):
-            wave = range(first, min(first + max_batch, len(prompts)))
-            longest = max(len(prompts[i]) for i in wave)
-            budgets = auto_budgets(longest, max_new_tokens, target) if spec.budget == "auto" else ()
-            length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets, target.device.type)
-            engine_for = functools.partial(get_engine, target, drafter if method != "ar" else None, method, sampling,
-                                           spec, length, compile, show_tree, auto=budgets)
-            engine = engine_for(batch_bucket(len(wave), max_batch))
-            emit_to = on_tokens and (lambda j, new, first=first: on_tokens(first + j, new))
-
-            def ended(j, result, first=first, engine=engine):
-                result.stats.update(method=method, budget=spec.budget)
-                if spec.budget == "auto":
-                    result.stats["auto"] = engine.report()
-                if on_result is not None:
-                    on_result(first + j, result)
-
-            # Budget auto keeps its batch: its candidates' costs are calibrated for one batch size.
-            results += run_requests(engine, [prompts[i] for i in wave], [seeds[i] for i in wave], stop,
-                                    max_new_tokens, emit_to, None if spec.budget == "auto" else engine_for, ended)
-    return results
+        return run_waves(engine_for, prompts, seeds, stop, max_new_tokens, max_batch, on_tokens, on_result,
+                         dict(method=method, budget=spec.budget))
 
 
 NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
@@ -204,26 +180,22 @@ class Engine:
         next token; for ar just that token) and, with show_tree, the round's tree. Makes the round's one host
         read."""
         rows, length, token, ok, tree, tally = self.run_round(self.token, self.position, *self.randomness())
-        out = torch.cat([rows.flatten(), length, token, ok.long()] + ([] if tally is None else [tally.flatten()]))
-        out = out.tolist()
-        width, b = rows.shape[1], self.batch
-        lengths, tokens, oks = (out[b * width + k * b: b * width + (k + 1) * b] for k in range(3))
-        self.last_lengths = lengths
-        if tally is not None:
-            k = tally.shape[1]
-            self.last_tally = [out[b * width + 3 * b + i * k: b * width + 3 * b + (i + 1) * k] for i in range(b)]
-        if not all(o for o, g in zip(oks, self.generators) if g is not None):  # the running requests' draws
+        # The one host read: per request, its committed rows, their count, the next token, whether its draws were
+        # sound, and for budget auto the tally.
+        width = rows.shape[1]
+        parts = [rows, length[:, None], token[:, None], ok.long()[:, None]] + ([] if tally is None else [tally])
+        out = torch.cat(parts, dim=1).tolist()
+        if not all(r[width + 2] for r, g in zip(out, self.generators) if g is not None):  # running requests only
             raise ValueError(NON_FINITE)
+        self.last_lengths = [r[width] for r in out]
+        self.last_tally = None if tally is None else [r[width + 3:] for r in out]
         # Under CUDA graphs a call's outputs live in a memory pool that any later compiled call (this engine's or
         # another's: a catch-up, a switch of budget auto) may overwrite: what outlives the step is copied here, at
         # the store (tests/test_graph_pool.py emulates the pool on the CPU).
         self.token, self.position = token.clone(), self.position + length * self.live
-        new = []
-        for i in range(b):  # rows[i, 0] is the previous token, emitted last step
-            row = out[i * width: i * width + lengths[i]]
-            new.append((row[1:] + [tokens[i]],
-                        None if tree is None else tuple(t[i].clone() for t in tree) + (lengths[i],)))
-        return new
+        # rows[i, 0] is the previous token, emitted last step
+        return [(r[1:r[width]] + [r[width + 1]],
+                 None if tree is None else tuple(t[i].clone() for t in tree) + (r[width],)) for i, r in enumerate(out)]
 
     def run_round(self, *args):
         """self.round(*args) with dynamo's guards (docs/compile.md, "Guards checked once per run"): all of them at
@@ -231,7 +203,7 @@ class Engine:
         (every tensor that is not a parameter, and whatever once made a graph recompile). A compiled step sees the
         same objects and shapes at every round of a run, so the rest would give the same answer each time."""
         skip = self.compiled and self.guards_checked
-        out = call_compiled(self.round, args, self.compile_options, check_guards=not skip)
+        out = compiling.call_compiled(self.round, args, self.compile_options, check_guards=not skip)
         self.guards_checked = True
         return out
 
@@ -242,7 +214,7 @@ class Engine:
         position (= the request's committed length). Returns the committed rows' tokens [N, D + 1] (D = self.reach,
         the deepest the tree can go; valid up to `length`), length [N], the next bonus [N], whether each request's
         logits and draws were sound (Engine.pick), the trees with show_tree, and for budget auto what smaller
-        budgets and the chain would have accepted (Engine.tally)."""
+        budgets and the chain would have accepted (budget.tally)."""
         # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [N, D, V] (D <= L).
         draft_logits = self.draft(bonus, start)
         # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
@@ -256,8 +228,8 @@ class Engine:
         # 5. Commit: the path's K/V to contiguous slots after the prefix (recurrent layers: the state at its end),
         # its features to the drafter's context.
         self.commit(start, path, length, positions, features, recurrent)
-        tree = (tokens, parents, depths, path) if self.show_tree else None
-        tally = self.tally(draft_logits, tokens, path, length, next_token)
+        tree = (tokens, parents, depths, path) if self.spec.show_tree else None
+        tally = None if self.tally is None else self.tally(draft_logits, tokens, path, length, next_token)
         return rows.gather(1, path), length, next_token, ok, tree, tally
 
     def draft(self, bonus, start):
@@ -309,24 +281,10 @@ class Engine:
     def commit(self, start, path, length, positions, features, recurrent):
         compact_kv(self.target.kv_caches(), start, path)
         self.target.commit_recurrent(recurrent, path, length)
+        # The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
+        # computes it inside the drafter pass), in the slots after `start`.
         picked = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-        self.extend_context(start, picked, positions.gather(1, path))
-
-    def tally(self, draft_logits, tokens, path, length, next_token):
-        """Budget auto (budget.py): [N, len(tally_budgets) + 1], the drafts each of tally_budgets and the chain would
-        have accepted this round, read off this tree (the trees are nested; the chain is their spine); None for
-        engines that do not tally."""
-        if not self.tally_budgets:
-            return None
-        within = accepted_within(path, length, self.tally_budgets)
-        chain = chain_accepted(draft_logits.argmax(-1), tokens, path, length, next_token)
-        return torch.cat([within, chain[:, None]], dim=1)
-
-    def extend_context(self, start, features, positions):
-        """The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
-        computes it inside the drafter pass), in the slots after `start`."""
-        slots = start[:, None] + torch.arange(self.reach + 1, device=features.device)
-        self.drafter.append_context(features, positions, slots)
+        self.drafter.append_context(picked, positions.gather(1, path), start[:, None] + self.path_slots)
 
     # -- plain decoding and the prefill -------------------------------------------------------------------------
 
@@ -432,32 +390,22 @@ class Engine:
     # -- construction -------------------------------------------------------------------------------------------
 
     def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, sampling: Sampling,
-                 spec: Speculation, max_seq_len: int, compile: bool | str, show_tree: bool = False, batch: int = 1,
-                 tally_budgets: tuple = ()):
+                 spec: Speculation, max_seq_len: int, compile: bool | str, batch: int = 1, tally=None):
         self.target, self.drafter, self.method, self.sampling, self.spec = target, drafter, method, sampling, spec
-        self.device, self.max_seq_len, self.show_tree, self.batch = target.device, max_seq_len, show_tree, batch
-        self.compiled = compile
-        self.tally_budgets = tally_budgets  # budget auto: smaller budgets whose acceptance each round reports
+        self.device, self.max_seq_len, self.batch, self.compiled = target.device, max_seq_len, batch, compile
+        self.tally = tally  # budget auto (budget.tally): what smaller budgets and the chain would have accepted
         self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
         self.guards_checked = False  # whether this run's first step checked every guard (run_round)
-        self.compile_options = {}  # inductor options of the round's compiles (call_compiled)
-        self.build_seconds = 0.0  # building the CPU attention kernel, the first time a process needs it
-        # Decided once, for every call of this engine (docs/compile.md, "eager and compiled"):
-        # - the tree builder: the paper's heap when eager (host code, the readable reference, and faster outside
-        #   a graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees;
-        # - the attention: eager CPU engines materialize the mask for SDPA (eager FlexAttention on the CPU runs a
-        #   vmapped math fallback); compiled CPU engines run our fp32 / bf16 kernel (cpu_backend.load_cpu_kernel; fp16
-        #   FlexAttention), CUDA engines FlexAttention.
-        # - the prefill: compiled on CUDA; eager on the CPU, where its chunks are large matmuls that MKL runs as well
-        #   as a graph does, while its graph would take a third of the first call's compile (docs/compile.md,
-        #   "Eager prefill on CPU").
+        # The tree builder: the paper's heap when eager (host code, the readable reference, and faster outside a
+        # graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees.
         self.build_tree = build_tree if compile else build_tree_heap
-        cpu_sdpa = self.device.type == "cpu" and EAGER_CPU_ATTENTION == "sdpa"
-        dense = not compile and cpu_sdpa
-        self.compile_prefill = bool(compile) and self.device.type != "cpu"
+        # Masks as FlexAttention BlockMasks, or materialized for SDPA where eager steps run on the CPU
+        # (cpu_backend.dense_masks); the CPU's prefill is eager even in a compiled engine.
+        dense_prefill = cpu_backend.dense_masks(self.device.type)
+        dense = dense_prefill and not compile
         target.setup_cache(max_seq_len, batch)
         chunk = prefill_chunk(self.device.type)
-        self.prefill_mask = PrefixMask(chunk, max_seq_len, self.device, cpu_sdpa and not self.compile_prefill, batch)
+        self.prefill_mask = PrefixMask(chunk, max_seq_len, self.device, dense_prefill, batch)
         self.prefill_mask.allow.copy_(causal(chunk))
         self.decode_mask = PrefixMask(1, max_seq_len, self.device, dense, batch)
         self.decode_mask.allow.fill_(True)
@@ -469,7 +417,8 @@ class Engine:
             self.nodes = spec.budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
             # How deep a round's tree can reach: a tree of B nodes is at most B deep, so a small budget drafts,
             # walks and commits fewer rows. Budget auto's tally reads the chain's L drafts and paths as long.
-            self.reach = self.depth if tally_budgets else min(self.nodes, self.depth)
+            self.reach = self.depth if tally else min(self.nodes, self.depth)
+            self.path_slots = torch.arange(self.reach + 1, device=self.device)  # a committed path's slots past start
             self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch)
             self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
             self.draft_window_mask = None  # the same for sliding-window layers (drafters of hybrid targets)
@@ -479,22 +428,11 @@ class Engine:
                 self.draft_window_mask.allow.fill_(True)
             self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense, batch)
         self.prefill_step, self.round = self._prefill_step, (self._decode if method == "ar" else self._round)
+        self.compile_options, self.build_seconds = {}, 0.0  # the round's inductor options; the CPU kernel's build
         self.warm = not compile
         if compile:
-            # One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the
-            # query length fails to build on the CPU (docs/compile.md). Engines compile the same methods, so they
-            # share one cache per method: an engine whose tensors and settings match an earlier one's reuses its
-            # graphs (which read the models and masks through `self` at each call); frozen graphs are per engine.
-            # Room for a few engines (settings, budgets) before dynamo falls back to eager.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            writable_inductor_cache()
-            if self.device.type == "cpu":  # the CPU's compile and its speed, behind one call (cpu_backend.py)
-                self.round, self.compile_options, self.build_seconds = cpu_backend.compile_round(
-                    self.round, target, drafter, compile)
-            else:  # CUDA graphs ("max-autotune" includes them); the prefill is compiled too
-                mode = "reduce-overhead" if compile is True else compile
-                self.round = torch.compile(self.round, dynamic=False, fullgraph=True, mode=mode)
-                self.prefill_step = torch.compile(self.prefill_step, dynamic=False, fullgraph=True, mode=mode)
+            self.round, self.prefill_step, self.compile_options, self.build_seconds = compiling.compile_steps(
+                self.round, self.prefill_step, target, drafter, compile)
 
     def warm_up_slots(self) -> int:
         """The cache slots warm_up's dummy request writes in every row: a prefill chunk, then a round's rows after
@@ -511,58 +449,21 @@ class Engine:
         if self.warm:
             return 0.0
         t0 = time.perf_counter()
-        for _ in range(graph_warmup_calls(self.compiled, self.device.type)):
+        for _ in range(compiling.graph_warmup_calls(self.compiled, self.device.type)):
             self.start([[0]], seeds=[0])
             self.step()
         self.warm = True
         return time.perf_counter() - t0 + self.build_seconds
 
 
-def graph_warmup_calls(compile, device_type: str) -> int:
-    """Calls of each compiled step before its graph runs as it will: CUDA graph trees run a function's first call
-    as a warm-up and record its graph on the second (torch/_inductor/cudagraph_trees.py); plain graphs are built
-    by the first call."""
-    return 2 if compile and device_type == "cuda" else 1
-
-
-@functools.cache
-def writable_inductor_cache():
-    """Inductor writes every compiled kernel under TORCHINDUCTOR_CACHE_DIR (default: the temporary directory's
-    torchinductor_<user>); where that cannot be written, a compile dies deep inside a worker thread. Checked once
-    per process: an unwritable one is replaced by a private temporary directory for this process, with one warning."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    try:
-        path = cache_dir()  # makes it if need be
-        with tempfile.NamedTemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        fallback = tempfile.mkdtemp(prefix="ddtree-inductor-")
-        warnings.warn(f"the inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')} cannot be written ({e}); "
-                      f"compiling into {fallback} for this run (set TORCHINDUCTOR_CACHE_DIR to a writable directory "
-                      f"to keep compiled kernels between runs)")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fallback
-
-
-def call_compiled(fn, args: tuple, options: dict, check_guards: bool):
-    """fn(*args), fn compiled (or eager: then both ways are a plain call). With check_guards, every guard is
-    evaluated and `options` (inductor's, for a compile) are set: only such a call can compile. Without, only the
-    guards that tell fn's graphs apart are, and a call that would recompile is an error instead, so it needs no
-    options and does not pay for setting them (docs/compile.md, "Guards checked once per run")."""
-    if not check_guards:
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return fn(*args)
-    with torch._inductor.config.patch(options) if options else contextlib.nullcontext():
-        return fn(*args)
-
-
 _ENGINES: dict = {}
 
 
-def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch=1,
+def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch=1,
                auto=()) -> Engine | AutoBudget:
     """Engines are cached per (models, settings, batch size) so repeated calls reuse caches and compiled graphs.
     auto: the tree sizes of a budget-auto engine."""
-    settings = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, show_tree, auto)
+    settings = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, auto)
     key = settings + (batch,)
     if key not in _ENGINES:
         # Engines of other settings go (a stale engine holds masks, compiled graphs, and budget auto's buffers);
@@ -571,11 +472,10 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, sh
             del _ENGINES[old]
         if spec.budget == "auto":
             _ENGINES[key] = auto_engine(
-                lambda method, drafter, spec, tally=(): Engine(target, drafter, method, sampling, spec, max_seq_len,
-                                                               compile, show_tree, batch, tally), target, drafter,
-                spec, auto)
+                lambda method, drafter, spec, tally=None: Engine(target, drafter, method, sampling, spec, max_seq_len,
+                                                                 compile, batch, tally), target, drafter, spec, auto)
         else:
-            _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, show_tree, batch)
+            _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch)
     return _ENGINES[key]
 
 

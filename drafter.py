@@ -17,17 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from loading import load_weights, parse_device, parse_dtype, read_json, resolve_checkpoint
+from loading import (check_pair, dflash_config_fields, load_weights, parse_device, parse_dtype, read_json,
+                     resolve_checkpoint)
 from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, rope_cos_sin,
                    rope_inv_freq, run_layer)
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's default: spread the ids evenly over [1, num_target_layers - 3] (one layer: the middle one)."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
 @dataclass
@@ -41,52 +34,13 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
-        archs = d.get("architectures") or []
-        if "DFlashDraftModel" not in archs:
-            raise ValueError(f"{where}: not a DFlash drafter (architectures={archs}, expected DFlashDraftModel)")
-        windows = sliding_windows(d, where)
-        rest = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "use_sliding_window")}
-        model = Qwen3Config.from_dict(rest, where, moe=False)  # the drafter is dense, whatever its target
-        dflash = d.get("dflash_config") or {}
-        if not isinstance(dflash, dict):
-            raise ValueError(f"{where}: dflash_config must be a JSON object")
-        for key, value in (("block_size", d.get("block_size")), ("num_target_layers", d.get("num_target_layers")),
-                           ("dflash_config.mask_token_id", dflash.get("mask_token_id"))):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{where}: {key} must be an integer, got {value!r}")
-        if d["block_size"] < 2:
-            raise ValueError(f"{where}: block_size must be >= 2, got {d['block_size']}")
-        ids = dflash.get("target_layer_ids") or default_target_layer_ids(d["num_target_layers"],
-                                                                         model.num_hidden_layers)
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ValueError(f"{where}: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
-        return cls(model=model, block_size=d["block_size"], num_target_layers=d["num_target_layers"],
-                   target_layer_ids=list(ids), mask_token_id=dflash["mask_token_id"], windows=windows)
+        """The drafter's config.json, checked (loading.dflash_config_fields)."""
+        fields = dflash_config_fields(d, where)
+        return cls(model=Qwen3Config(**fields.pop("model")), **fields)
 
     @property
     def sliding_window(self) -> int | None:
         return next((w for w in self.windows if w is not None), None)
-
-
-def sliding_windows(d: dict, where: str) -> tuple:
-    """Per layer, the window of a "sliding_attention" layer (`sliding_window` slots) or None, from a z-lab config's
-    layer_types (drafters of hybrid targets); () when it names none. The window is applied as z-lab's flash-attention
-    path applies it: a block row sees the slots within sliding_window - 1 of its own (docs/checkpoints.md)."""
-    kinds = d.get("layer_types")
-    if kinds is None:
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{where}: use_sliding_window=true without layer_types is not supported")
-        return ()
-    layers = d.get("num_hidden_layers")
-    if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - {"full_attention", "sliding_attention"}:
-        raise ValueError(f"{where}: layer_types must list 'full_attention' or 'sliding_attention' for each of the "
-                         f"{layers} layers, got {kinds!r}")
-    if "sliding_attention" not in kinds:
-        return ()
-    window = d.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"{where}: sliding_attention layers need a positive integer sliding_window, got {window!r}")
-    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
 class DFlashDrafter(nn.Module):
@@ -198,29 +152,3 @@ class DFlashDrafter(nn.Module):
         drafter.inv_freq = rope_inv_freq(config.model.head_dim, config.model.rope_theta, device)
         drafter.path = path
         return drafter.eval()
-
-
-def check_pair(target, drafter: DFlashDrafter):
-    """Every way a drafter can fail to fit a target, each as one clear error naming both values."""
-    t, d = target.config, drafter.config
-    checks = [
-        (d.model.hidden_size == t.hidden_size, f"drafter hidden_size {d.model.hidden_size} != target hidden_size "
-                                               f"{t.hidden_size}"),
-        (d.model.vocab_size == t.vocab_size, f"drafter vocab_size {d.model.vocab_size} != target vocab_size "
-                                             f"{t.vocab_size}"),
-        (d.num_target_layers == t.num_hidden_layers, f"drafter num_target_layers {d.num_target_layers} != target "
-                                                     f"num_hidden_layers {t.num_hidden_layers}"),
-        (all(0 <= i < t.num_hidden_layers for i in d.target_layer_ids),
-         f"drafter target_layer_ids {d.target_layer_ids} out of range for a {t.num_hidden_layers}-layer target"),
-        (0 <= d.mask_token_id < t.vocab_size, f"drafter mask_token_id {d.mask_token_id} is not below the target "
-                                              f"vocab_size {t.vocab_size}"),
-        (drafter.fc.weight.shape[1] == len(d.target_layer_ids) * t.hidden_size,
-         f"drafter fc takes {drafter.fc.weight.shape[1]} features, the target gives "
-         f"{len(d.target_layer_ids)} x {t.hidden_size}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(f"target and drafter do not fit: {message}")
-    if drafter.device != target.device or drafter.dtype != target.dtype:
-        raise ValueError(f"target and drafter do not fit: drafter on {drafter.device}/{drafter.dtype}, target on "
-                         f"{target.device}/{target.dtype}")

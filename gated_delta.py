@@ -22,6 +22,8 @@ Every function is fixed-shape and free of host reads and data-dependent Python b
 under torch.compile(fullgraph=True).
 """
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -251,9 +253,6 @@ def chunk_gated_delta(q, k, v, g, beta, state, chunk: int = 64):
 # The layer: what a forward tells the recurrent layers about its rows, and the Gated DeltaNet module.
 
 
-from dataclasses import dataclass, field  # noqa: E402
-
-
 @dataclass
 class Recurrent:
     """What the recurrent layers need to know about the rows of one forward (model.Qwen3.forward's `recurrent`).
@@ -287,6 +286,22 @@ class Recurrent:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where the reference upcasts: float32 for bf16 / fp16 / fp32 models, float64 for float64 ones."""
     return torch.promote_types(dtype, torch.float32)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), all in float32 (float64 for a float64 model),
+    cast back at the end; the weight starts at 0."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        f = compute_dtype(x.dtype)
+        h = x.to(f)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1 + self.weight.to(f))).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -393,3 +408,17 @@ class GatedDeltaNet(nn.Module):
             self.conv_state.copy_(new_conv)
         out = self.norm(out.to(x.dtype), z)
         return self.out_proj(out.reshape(N, T, Hv * Dv))
+
+
+def commit_tree(layers, recurrent: Recurrent, path, length):
+    """After a tree verify (recurrent.pending filled): each of the recurrent `layers` takes its state after the
+    accepted path, and its conv state the last K - 1 inputs along it (Qwen3.commit_recurrent)."""
+    if not layers:
+        return
+    anc = recurrent.anc if recurrent.anc.dim() == 3 else recurrent.anc.expand(path.shape[0], -1, -1)
+    last = path.gather(1, (length - 1)[:, None])  # [N, 1]: the last accepted row
+    mask = anc.gather(1, last[:, :, None].expand(-1, 1, anc.shape[-1]))[:, 0]  # [N, R]: its path's rows
+    for m in layers:
+        mixed, k, u, G = recurrent.pending[m.index]
+        m.state.copy_(commit_state(m.state, k, u, G, mask))
+        m.conv_state.copy_(conv_state_along(mixed, m.conv_state, path, length))

@@ -387,3 +387,84 @@ def eos_ids_of(path: str, config: dict) -> list[int]:
                              f"list of them, got {d.get('eos_token_id')!r}")
         ids += eos
     return list(dict.fromkeys(ids))
+
+
+def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
+    """drafter.DFlashConfig's fields from a z-lab DFlash config.json, every value checked; its own layers' Qwen3
+    fields as "model" (dense, whatever its target)."""
+    archs = d.get("architectures") or []
+    if "DFlashDraftModel" not in archs:
+        raise ValueError(f"{where}: not a DFlash drafter (architectures={archs}, expected DFlashDraftModel)")
+    windows = sliding_windows(d, where)
+    rest = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "use_sliding_window")}
+    model = config_fields(rest, where, moe=False)
+    dflash = d.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise ValueError(f"{where}: dflash_config must be a JSON object")
+    for key, value in (("block_size", d.get("block_size")), ("num_target_layers", d.get("num_target_layers")),
+                       ("dflash_config.mask_token_id", dflash.get("mask_token_id"))):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{where}: {key} must be an integer, got {value!r}")
+    if d["block_size"] < 2:
+        raise ValueError(f"{where}: block_size must be >= 2, got {d['block_size']}")
+    ids = dflash.get("target_layer_ids") or default_target_layer_ids(d["num_target_layers"],
+                                                                     model["num_hidden_layers"])
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{where}: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
+    return dict(model=model, block_size=d["block_size"], num_target_layers=d["num_target_layers"],
+                target_layer_ids=list(ids), mask_token_id=dflash["mask_token_id"], windows=windows)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default: spread the ids evenly over [1, num_target_layers - 3] (one layer: the middle one)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def sliding_windows(d: dict, where: str) -> tuple:
+    """Per layer, the window of a "sliding_attention" layer (`sliding_window` slots) or None, from a z-lab config's
+    layer_types (drafters of hybrid targets); () when it names none. The window is applied as z-lab's flash-attention
+    path applies it: a block row sees the slots within sliding_window - 1 of its own (docs/checkpoints.md)."""
+    kinds = d.get("layer_types")
+    if kinds is None:
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{where}: use_sliding_window=true without layer_types is not supported")
+        return ()
+    layers = d.get("num_hidden_layers")
+    if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{where}: layer_types must list 'full_attention' or 'sliding_attention' for each of the "
+                         f"{layers} layers, got {kinds!r}")
+    if "sliding_attention" not in kinds:
+        return ()
+    window = d.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"{where}: sliding_attention layers need a positive integer sliding_window, got {window!r}")
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
+def check_pair(target, drafter):
+    """Every way a drafter can fail to fit a target, each as one clear error naming both values."""
+    t, d = target.config, drafter.config
+    checks = [
+        (d.model.hidden_size == t.hidden_size, f"drafter hidden_size {d.model.hidden_size} != target hidden_size "
+                                               f"{t.hidden_size}"),
+        (d.model.vocab_size == t.vocab_size, f"drafter vocab_size {d.model.vocab_size} != target vocab_size "
+                                             f"{t.vocab_size}"),
+        (d.num_target_layers == t.num_hidden_layers, f"drafter num_target_layers {d.num_target_layers} != target "
+                                                     f"num_hidden_layers {t.num_hidden_layers}"),
+        (all(0 <= i < t.num_hidden_layers for i in d.target_layer_ids),
+         f"drafter target_layer_ids {d.target_layer_ids} out of range for a {t.num_hidden_layers}-layer target"),
+        (0 <= d.mask_token_id < t.vocab_size, f"drafter mask_token_id {d.mask_token_id} is not below the target "
+                                              f"vocab_size {t.vocab_size}"),
+        (drafter.fc.weight.shape[1] == len(d.target_layer_ids) * t.hidden_size,
+         f"drafter fc takes {drafter.fc.weight.shape[1]} features, the target gives "
+         f"{len(d.target_layer_ids)} x {t.hidden_size}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(f"target and drafter do not fit: {message}")
+    if drafter.device != target.device or drafter.dtype != target.dtype:
+        raise ValueError(f"target and drafter do not fit: drafter on {drafter.device}/{drafter.dtype}, target on "
+                         f"{target.device}/{target.dtype}")

@@ -20,7 +20,7 @@ import torch._inductor.config  # read while tracing: frozen graphs keep their la
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from gated_delta import GatedDeltaNet, Recurrent, commit_state, compute_dtype, conv_state_along
+from gated_delta import GatedDeltaNet, ZeroCenteredRMSNorm, commit_tree, compute_dtype
 from loading import (check_qwen3_config, checkpoint_prefixes, config_fields, eos_ids_of, load_weights, parse_device,
                      parse_dtype, read_json, resolve_checkpoint, text_config)
 from moe import SparseMoE
@@ -103,22 +103,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-class ZeroCenteredRMSNorm(nn.Module):
-    """Qwen3.5's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), all in float32 (float64 for a float64 model),
-    cast back at the end; the weight starts at 0."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x):
-        f = compute_dtype(x.dtype)
-        h = x.to(f)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1 + self.weight.to(f))).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
@@ -205,18 +189,15 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.kv_rows = None  # the (K, V) buffers the caches are the first rows of (allocate_kv_caches)
 
-    def project_kv(self, x, cos, sin):
-        """K (normed, roped) and V of rows x [N, Q, hidden] as [N, kv_heads, Q, head_dim]."""
-        n, q_len = x.shape[:2]
-        k = self.k_norm(self.k_proj(x).view(n, q_len, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(n, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
-
     def write_kv(self, x, cos, sin, cache_pos):
-        """Each request's K/V into its own cache row: request n's row q goes to slot cache_pos[n, q]."""
-        k, v = self.project_kv(x, cos, sin)
-        write_slots(self.k_cache, cache_pos, k)
-        write_slots(self.v_cache, cache_pos, v)
+        """The K (normed, roped) and V of rows x [N, Q, hidden] into each request's own cache row: request n's row q
+        goes to slot cache_pos[n, q], in one indexed write per cache."""
+        n, q_len = x.shape[:2]
+        k = self.k_norm(self.k_proj(x).view(n, q_len, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, q_len, self.kv_heads, self.head_dim)
+        batch = torch.arange(n, device=x.device)[:, None]
+        self.k_cache[batch, :, cache_pos] = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        self.v_cache[batch, :, cache_pos] = v
 
     def forward(self, x, cos, sin, cache_pos, mask):
         n, q_len = x.shape[:2]
@@ -244,12 +225,6 @@ class Attention(nn.Module):
             out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale, enable_gqa=gqa,
                                  kernel_options=options)
         return out.transpose(1, 2).reshape(n, q_len, self.heads * self.head_dim)
-
-
-def write_slots(cache, slots, values):
-    """cache [N, H, S, D][n, :, slots[n, q]] = values [N, H, Q, D][n, :, q]: one indexed write with a batch index."""
-    batch = torch.arange(cache.shape[0], device=cache.device)[:, None]
-    cache[batch, :, slots] = values.transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -386,16 +361,7 @@ class Qwen3(nn.Module):
         accepted path, and its conv state := the last K - 1 inputs along it. path [N, D + 1]: accepted rows from
         the root (entries past length ignored); length [N] >= 1 (counts the root). In place, static shapes, no host
         read. A no-op for a model without recurrent layers."""
-        layers = self.recurrent_layers()
-        if not layers:
-            return
-        anc = recurrent.anc if recurrent.anc.dim() == 3 else recurrent.anc.expand(path.shape[0], -1, -1)
-        last = path.gather(1, (length - 1)[:, None])  # [N, 1]: the last accepted row
-        mask = anc.gather(1, last[:, :, None].expand(-1, 1, anc.shape[-1]))[:, 0]  # [N, R]: its path's rows
-        for m in layers:
-            mixed, k, u, G = recurrent.pending[m.index]
-            m.state.copy_(commit_state(m.state, k, u, G, mask))
-            m.conv_state.copy_(conv_state_along(mixed, m.conv_state, path, length))
+        commit_tree(self.recurrent_layers(), recurrent, path, length)
 
     def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), recurrent=None):
         """tokens, input_pos, cache_pos: [N, Q] int64 (request n's rows, their RoPE positions and cache slots in

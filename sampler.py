@@ -26,34 +26,11 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Sampling:
+    """How the target's tokens are drawn (Hugging Face's names and order; checked by settings.check_settings)."""
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off; must be in (0, 1]
     min_p: float = 0.0  # 0 = off; must be in [0, 1]
-
-    def __post_init__(self):
-        def real(name, v):
-            # bool is an int subclass, but `temperature=True` is certainly a mistake
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{name} must be a real number, got {v!r}")
-            try:
-                object.__setattr__(self, name, float(v))  # an int as large as 2**64 would overflow in the kernels
-            except OverflowError:
-                raise ValueError(f"{name} must be finite, got {v!r}") from None
-            if math.isnan(v):
-                raise ValueError(f"{name} must be a real number, got {v!r}")
-
-        real("temperature", self.temperature)
-        if not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        real("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        real("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:

@@ -2,19 +2,21 @@
 
 Speculation holds how a speculative round drafts (sampler.Sampling, how tokens are drawn). Input is checked once,
 where it enters, and everything past that boundary assumes it is valid: generate() and generate_batch() check
-their arguments here (check_speculation, check_request); loading checks the checkpoint files (loading.py,
+their arguments here (check_settings, check_request); loading checks the checkpoint files (loading.py,
 drafter.check_pair); the command line checks what only it has (text to numbers, which options apply, the
 prompt's text) and turns every ValueError / TypeError into one `error:` line, exit 2. The one check left inside
 the rounds is what no boundary can foresee: non-finite logits or probabilities (ddtree.Engine.pick).
 """
 
+import math
 import numbers
 import reprlib
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from sampler import Sampling
 from tree_attn import round_up
 
 METHODS = ("ddtree", "dflash", "ar")
@@ -30,6 +32,25 @@ class Speculation:
     draft_temperature: float = 1.0  # ddtree: the drafter's temperature when building trees (1, as in the paper)
     draft_sampling: bool = False  # dflash with sampling: sample the chain, verify with min(1, p/q)
     denoise_steps: int = 1  # drafter passes per round
+    show_tree: bool = False  # keep each round's tree in Result.trees
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+SPECULATION_FIELDS = ("draft_temperature", "draft_sampling", "denoise_steps", "show_tree")
+
+
+def grouped(settings: dict) -> dict:
+    """generate()'s keyword arguments from flat ones, as the command line's flags name them: temperature, top_k,
+    top_p and min_p make its `sampling`, draft_temperature, draft_sampling, denoise_steps and show_tree its
+    `speculation`; the rest pass as they are."""
+    out = {k: v for k, v in settings.items() if k not in SAMPLING_FIELDS + SPECULATION_FIELDS}
+    sampling = {k: settings[k] for k in SAMPLING_FIELDS if k in settings}
+    speculation = {k: settings[k] for k in SPECULATION_FIELDS if k in settings}
+    if sampling:
+        out["sampling"] = Sampling(**sampling)
+    if speculation:
+        out["speculation"] = Speculation(**speculation)
+    return out
 
 
 def verify_rows(method: str, spec: Speculation, drafter, auto=()) -> int:
@@ -40,34 +61,71 @@ def verify_rows(method: str, spec: Speculation, drafter, auto=()) -> int:
     return 1 + max(max(auto, default=0), drafter.block_size - 1) if spec.budget == "auto" else 1 + spec.budget
 
 
-def check_speculation(method, sampling, budget, draft_temperature, draft_sampling, denoise_steps, show_tree):
-    """The method and its drafting settings checked, each against the method and the sampling (check_applies);
-    returns them as a Speculation."""
+def check_settings(method, sampling, budget, speculation) -> tuple:
+    """The method, the sampling and the drafting settings checked, each against the method and the sampling
+    (check_applies); returns (Sampling, Speculation) with numbers as floats and the budget resolved (the default
+    for ddtree, None for the other methods). budget, when given, is the tree size (speculation.budget is then
+    left None)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    for name, value in (("draft_sampling", draft_sampling), ("show_tree", show_tree)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+    sampling = check_sampling(Sampling() if sampling is None else sampling)
+    spec = Speculation() if speculation is None else speculation
+    if not isinstance(spec, Speculation):
+        raise TypeError(f"speculation must be a settings.Speculation, got {reprlib.repr(spec)}")
+    if budget is not None and spec.budget is not None:
+        raise ValueError("budget is given twice: as budget and as speculation.budget")
+    budget = spec.budget if budget is None else budget
+    for name in ("draft_sampling", "show_tree"):
+        if not isinstance(getattr(spec, name), bool):
+            raise TypeError(f"{name} must be True or False, got {getattr(spec, name)!r}")
     if budget is not None and not (isinstance(budget, str) and budget == "auto"):
         if isinstance(budget, str):
             raise ValueError(f"budget must be a positive integer or 'auto', got {budget!r}")
         check_int("budget", budget, 1)
-    check_int("denoise_steps", denoise_steps, 1)
-    if isinstance(draft_temperature, bool) or not isinstance(draft_temperature, (int, float)):
-        raise TypeError(f"draft_temperature must be a number, got {draft_temperature!r}")
+    check_int("denoise_steps", spec.denoise_steps, 1)
+    draft_temperature = real("draft_temperature", spec.draft_temperature, TypeError)
     if not 0 < draft_temperature < float("inf") or draft_temperature > 1e300:
         raise ValueError(f"draft_temperature must be a positive finite number, got {draft_temperature!r}")
-    given = dict(budget=budget is not None, draft_temperature=draft_temperature != 1, draft_sampling=draft_sampling,
-                 denoise_steps=denoise_steps != 1, show_tree=show_tree, top_k=sampling.top_k != 0,
-                 top_p=sampling.top_p != 1, min_p=sampling.min_p != 0)
+    given = dict(budget=budget is not None, draft_temperature=draft_temperature != 1,
+                 draft_sampling=spec.draft_sampling, denoise_steps=spec.denoise_steps != 1, show_tree=spec.show_tree,
+                 top_k=sampling.top_k != 0, top_p=sampling.top_p != 1, min_p=sampling.min_p != 0)
     check_applies(method, sampling.greedy, [name for name, g in given.items() if g])
-    return Speculation(budget=(DEFAULT_BUDGET if budget is None else budget) if method == "ddtree" else None,
-                       draft_temperature=float(draft_temperature), draft_sampling=draft_sampling,
-                       denoise_steps=denoise_steps)
+    budget = (DEFAULT_BUDGET if budget is None else budget) if method == "ddtree" else None
+    return sampling, replace(spec, budget=budget, draft_temperature=draft_temperature)
+
+
+def real(name: str, value, error=ValueError) -> float:
+    """A real number as a float (an int as large as 2**64 would overflow in the kernels)."""
+    # bool is an int subclass, but `temperature=True` is certainly a mistake
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"{name} must be a real number, got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got {value!r}") from None
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    return value
+
+
+def check_sampling(s) -> Sampling:
+    """The sampling settings checked, their numbers as floats."""
+    if not isinstance(s, Sampling):
+        raise TypeError(f"sampling must be a sampler.Sampling, got {reprlib.repr(s)}")
+    temperature, top_p, min_p = (real(name, getattr(s, name)) for name in ("temperature", "top_p", "min_p"))
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {s.temperature!r}")
+    if not is_int(s.top_k) or s.top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {s.top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {s.top_p!r}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {s.min_p!r}")
+    return Sampling(temperature, int(s.top_k), top_p, min_p)
 
 
 def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec, compile, on_tokens,
-                  max_batch):
+                  max_batch, on_result=None):
     """The requests checked against the models; returns the prompts as lists, one seed per prompt (None drawn
     fresh from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs) and the
     stop ids as a set. Errors about one of several prompts name it."""
@@ -95,6 +153,8 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
         raise TypeError(f"compile must be True, False or 'max-autotune', got {compile!r}")
     if on_tokens is not None and not callable(on_tokens):
         raise TypeError(f"on_tokens must be a function of (request index, list of token ids), got {on_tokens!r}")
+    if on_result is not None and not callable(on_result):
+        raise TypeError(f"on_result must be a function of (request index, Result), got {on_result!r}")
     longest = max(map(len, checked))
     limit = target.config.max_position_embeddings
     if longest + max_new_tokens > limit:

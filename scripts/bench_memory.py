@@ -14,6 +14,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+from settings import grouped  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -39,9 +40,10 @@ def one_case(root, sampled, all_rows):
     target = Qwen3.from_pretrained(os.path.join(root, "target"), device="cpu")
     drafter = DFlashDrafter.from_pretrained(os.path.join(root, "draft"), device="cpu")
     kw = dict(temperature=1.0, top_p=0.95, seed=0) if sampled else {}
-    generate(target, drafter, list(range(5, 25)), budget=16, max_new_tokens=2, stop_ids=[], **kw)  # imports, caches
+    # imports, caches
+    generate(target, drafter, list(range(5, 25)), budget=16, max_new_tokens=2, stop_ids=[], **grouped(kw))
     before = peak_mb()
-    res = generate(target, drafter, list(range(5, 25)), budget=512, max_new_tokens=4, stop_ids=[], **kw)
+    res = generate(target, drafter, list(range(5, 25)), budget=512, max_new_tokens=4, stop_ids=[], **grouped(kw))
     print(json.dumps(dict(growth_mb=peak_mb() - before, tokens=res.tokens)))
 
 

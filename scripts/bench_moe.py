@@ -26,6 +26,7 @@ from checkpoints import (dflash_config, moe_config, qwen3_config, random_dflash_
 from ddtree import generate  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
+from settings import grouped  # noqa: E402
 
 
 def write_pair(root, name, config, block):
@@ -41,8 +42,8 @@ def tokens_per_s(target, drafter, method, budget, prompt, new_tokens):
     kw = dict(method=method, budget=budget if method == "ddtree" else None, max_new_tokens=new_tokens,
               stop_ids=[], compile=True)
     d = drafter if method != "ar" else None
-    generate(target, d, prompt, **kw)
-    return max(generate(target, d, prompt, **kw).stats["tokens_per_s"] for _ in range(2))
+    generate(target, d, prompt, **grouped(kw))
+    return max(generate(target, d, prompt, **grouped(kw)).stats["tokens_per_s"] for _ in range(2))
 
 
 def main():

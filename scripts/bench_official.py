@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from settings import grouped  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,10 +82,10 @@ def ours(target_path, draft_path, prompts, budgets, new_tokens, compile, passes)
     out = {}
     for budget in budgets:
         kw = dict(method="ddtree", budget=budget, max_new_tokens=new_tokens, stop_ids=[], compile=compile)
-        generate(target, drafter, prompts[0], **kw)  # warm-up (compile)
+        generate(target, drafter, prompts[0], **grouped(kw))  # warm-up (compile)
         best = None
         for _ in range(passes):
-            runs = [generate(target, drafter, p, **kw) for p in prompts]
+            runs = [generate(target, drafter, p, **grouped(kw)) for p in prompts]
             seconds = sum(r.stats["seconds"] for r in runs)
             if best is None or seconds < best["seconds"]:
                 best = dict(tokens=[r.tokens for r in runs], seconds=seconds)

@@ -27,13 +27,15 @@ from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate  # noqa: E402
 from text import Text  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
+from settings import Speculation, grouped  # noqa: E402
 
 
 def one_step_tau(target, drafter, contexts, method, budget, denoise):
     """Tokens the first speculative round after each real context verified (drafts accepted + the bonus), uncut
     by the token limit of 2."""
     per = [generate(target, drafter, c, method=method, budget=budget if method == "ddtree" else None,
-                    max_new_tokens=2, stop_ids=[], denoise_steps=denoise).stats["verified"][0] for c in contexts]
+                    max_new_tokens=2, stop_ids=[], speculation=Speculation(denoise_steps=denoise)).stats["verified"][0]
+            for c in contexts]
     return sum(per) / len(per)
 
 
@@ -99,14 +101,15 @@ def auto_section(target, drafter, text, a) -> dict:
           f"{compiled_as(a)}, {a.auto_passes} interleaved passes")
     warm = {}
     for name, kw in configs.items():
-        res = generate(target, None if kw["method"] == "ar" else drafter, prompts[0], **common, **kw)
+        res = generate(target, None if kw["method"] == "ar" else drafter, prompts[0], **grouped(dict(common, **kw)))
         warm[name] = res.stats["compile_seconds"]
     totals = {name: dict(tokens=0, seconds=0.0, rounds=0) for name in configs}
     reports = []
     for _ in range(a.auto_passes):
         for prompt in prompts:
             for name, kw in configs.items():
-                res = generate(target, None if kw["method"] == "ar" else drafter, prompt, **common, **kw)
+                res = generate(target, None if kw["method"] == "ar" else drafter, prompt,
+                               **grouped(dict(common, **kw)))
                 t = totals[name]
                 t["tokens"] += res.stats["new_tokens"]
                 t["seconds"] += res.stats["seconds"]

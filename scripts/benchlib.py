@@ -22,13 +22,15 @@ from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, ran
                          save_checkpoint, stdlib_files, write_json_file)
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
 from cpu_backend import AUTOTUNE_OPTIONS, compile_frozen  # noqa: E402
-from ddtree import (Engine, Speculation, cache_length, call_compiled, generate, generate_batch,  # noqa: E402
-                    run_requests)
+from compiling import call_compiled  # noqa: E402
+from batch import run_requests  # noqa: E402
+from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
 from train_target import HELD_OUT_EVERY, read  # noqa: E402
 from tree_attn import PrefixMask, compact_kv  # noqa: E402
+from settings import grouped  # noqa: E402
 
 
 def write_json(path: str, obj):
@@ -102,8 +104,10 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
                     compile=compile)  # its masks and tree builder are those of an engine run this way
     engine.prefill_step = engine._prefill_step  # the prefill only sets up the caches here: eager
     # The drafter's forward comes in two parts in our round: the block pass (draft) and, at commit, the context
-    # K/V of the committed tokens (extend_context). Both count as the drafter's forward, not as tree overhead.
-    context = engine.extend_context
+    # K/V of the committed tokens (Engine.commit's append_context). Both count as the drafter's forward, not as
+    # tree overhead.
+    context = lambda start, feats, positions: engine.drafter.append_context(  # noqa: E731
+        feats, positions, start[:, None] + engine.path_slots)
     mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs, as the engine compiles them
     frozen = compile == "max-autotune" and dev.type == "cpu"
     draft = engine.draft
@@ -315,11 +319,11 @@ def batched_run(target, drafter, prompts, method, budget, new_tokens, compile, b
     tokens/s of the whole set over wall time, the best of `passes` after a warm-up pass (compile, caches)."""
     kw = dict(method=method, budget=budget if method == "ddtree" else None, max_new_tokens=new_tokens, stop_ids=[],
               compile=compile, max_batch=batch)
-    generate_batch(target, drafter, prompts[:batch], **kw)
+    generate_batch(target, drafter, prompts[:batch], **grouped(kw))
     best = 0.0
     for _ in range(passes):
         t0 = time.perf_counter()
-        results = generate_batch(target, drafter, prompts, **kw)
+        results = generate_batch(target, drafter, prompts, **grouped(kw))
         seconds = time.perf_counter() - t0 - sum(r.stats["compile_seconds"] for r in results[::batch])
         best = max(best, sum(r.stats["new_tokens"] for r in results) / seconds)
     return best

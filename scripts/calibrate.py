@@ -48,7 +48,7 @@ def main(argv=None):
     budgets = budget.auto_budgets(a.prompt_len, a.max_new_tokens, target)
     length = ddtree.cache_length(a.prompt_len, a.max_new_tokens, "ddtree", spec, drafter, budgets)
     with torch.inference_mode():
-        engine = ddtree.get_engine(target, drafter, "ddtree", sampling, spec, length, a.compile, False, a.batch,
+        engine = ddtree.get_engine(target, drafter, "ddtree", sampling, spec, length, a.compile, a.batch,
                                    auto=budgets)
         seconds = engine.warm_up(recalibrate=True)
     print(f"{budget.device_name(target.device)}; torch {torch.__version__}, {target.dtype}, "

@@ -499,8 +499,8 @@ def sampled_rounds(c, target, drafter):
     for n in c.a.sampled_batches:
         prompts = [torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(i)).tolist()
                    for i in range(n)]
-        run = lambda: generate_batch(target, drafter, prompts, budget=512, max_new_tokens=8, temperature=1.0,
-                                     top_p=0.95, seeds=list(range(n)), compile=c.compile, stop_ids=[], max_batch=n)
+        run = lambda: generate_batch(target, drafter, prompts, budget=512, max_new_tokens=8,
+                                     sampling=Sampling(temperature=1.0, top_p=0.95), seeds=list(range(n)), compile=c.compile, stop_ids=[], max_batch=n)
         t = time.time()
         run()
         first = time.time() - t
@@ -545,7 +545,7 @@ def auto_calibration(c, target, drafter):
     budgets = budget_auto.auto_budgets(128, 64, target)
     spec = Speculation(budget="auto")
     length = cache_length(128, 64, "ddtree", spec, drafter, budgets)
-    engine = ddtree.get_engine(target, drafter, "ddtree", Sampling(), spec, length, c.compile, False, 1, auto=budgets)
+    engine = ddtree.get_engine(target, drafter, "ddtree", Sampling(), spec, length, c.compile, 1, auto=budgets)
     warm_up = engine.warm_up(recalibrate=True)
     c.say(f"budget auto calibration ({engine.calibrate_seconds:.0f} s, {warm_up:.0f} s with compiling):\n"
           f"{engine.curve_table()}")

@@ -21,7 +21,7 @@ check is instead that every sample equals the AR greedy sequence (no control).
 
 Speed. Eager FlexAttention on a CPU costs ~9 ms per call whatever the size (its math path vmaps the mask_mod over
 [queries, all cache slots] through Python), so the engine's eager CPU runs hand their layers the same mask_mod
-materialized for SDPA instead (ddtree.EAGER_CPU_ATTENTION): that is `--attention dense`, the default, the engine as
+materialized for SDPA instead (cpu_backend.EAGER_CPU_ATTENTION): that is `--attention dense`, the default, the engine as
 is. `--attention flex` makes them run eager FlexAttention, the real kernel, and `--attention kernel` our CPU
 attention kernel (the one compiled CPU engines run) on the same mask. tests/test_stat.py checks that all three
 give the engine the same tokens for the same seeds.
@@ -65,6 +65,7 @@ from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling, sample, warp_probs  # noqa: E402
 from tree_attn import PrefixMask, causal  # noqa: E402
+from settings import grouped  # noqa: E402
 
 ALPHA = 1e-6
 CONTROLS = ("auto", "none", "residual_p", "own_row", "unwarped", "shared_noise", "stale_commit")
@@ -137,11 +138,11 @@ def load_pair(target_path: str, draft_path: str | None, device: str = "cpu"):
 @contextlib.contextmanager
 def attention(kind: str, *models):
     """kind 'dense': the engine as is (eager CPU engines materialize the mask for SDPA); 'flex': eager engines
-    hand their layers the BlockMask, and eager FlexAttention runs (ddtree.EAGER_CPU_ATTENTION); 'kernel': the same
+    hand their layers the BlockMask, and eager FlexAttention runs (cpu_backend.EAGER_CPU_ATTENTION); 'kernel': the same
     BlockMask through the CPU attention kernel that compiled CPU engines run (cpu_backend.load_cpu_kernel), in
     `models`' layers (given their CPU classes, cpu_backend.use_cpu_classes)."""
-    saved = ddtree.EAGER_CPU_ATTENTION, cpu_backend.USE_CPU_KERNEL
-    ddtree.EAGER_CPU_ATTENTION = "sdpa" if kind == "dense" else "flex"
+    saved = cpu_backend.EAGER_CPU_ATTENTION, cpu_backend.USE_CPU_KERNEL
+    cpu_backend.EAGER_CPU_ATTENTION = "sdpa" if kind == "dense" else "flex"
     cpu_backend.USE_CPU_KERNEL = kind == "kernel"
     if kind == "kernel" and not cpu_backend.load_cpu_kernel():
         raise SystemExit("error: --attention kernel: the CPU attention kernel could not be built (see the warning)")
@@ -151,7 +152,7 @@ def attention(kind: str, *models):
     try:
         yield
     finally:
-        ddtree.EAGER_CPU_ATTENTION, cpu_backend.USE_CPU_KERNEL = saved
+        cpu_backend.EAGER_CPU_ATTENTION, cpu_backend.USE_CPU_KERNEL = saved
         ddtree._ENGINES.clear()
 
 
@@ -169,7 +170,8 @@ def last_logits(target: Qwen3, contexts: list[list[int]], batch: int = 64) -> to
         part = torch.tensor(contexts[first:first + batch], device=target.device)
         target.setup_cache(length, part.shape[0])
         target.reset_recurrent()  # a hybrid target's recurrent states start empty (a no-op for Qwen3)
-        mask = PrefixMask(n, length, target.device, dense=ddtree.EAGER_CPU_ATTENTION == "sdpa", batch=part.shape[0])
+        mask = PrefixMask(n, length, target.device, dense=cpu_backend.EAGER_CPU_ATTENTION == "sdpa",
+                          batch=part.shape[0])
         mask.allow.copy_(causal(n))
         pos = torch.arange(n, device=target.device).expand_as(part)
         last = torch.full((part.shape[0], 1), n - 1, device=target.device)
@@ -285,7 +287,7 @@ def draw_samples(target, drafter, prompt, n: int, samples: int, seed0: int = 0, 
     at a time (each the same sample as its lone run); with acceptance statistics and samples/s."""
     t0 = time.perf_counter()
     results = generate_batch(target, drafter, [prompt] * samples, max_new_tokens=n, stop_ids=[],
-                             seeds=[seed0 + i for i in range(samples)], max_batch=batch, **kw)
+                             seeds=[seed0 + i for i in range(samples)], max_batch=batch, **grouped(kw))
     seconds = time.perf_counter() - t0
     assert all(len(r.tokens) == n for r in results)
     rounds = drafts = 0

@@ -48,7 +48,8 @@ for p in (HERE, ROOT):
 
 from checkpoints import (add_training_options, load_train_state, save_checkpoint, save_train_state,  # noqa: E402
                          stdlib_files, zlab_config, zlab_weights, atomic_write, write_json_file)
-from drafter import DFlashConfig, DFlashDrafter, check_pair  # noqa: E402
+from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
+from loading import check_pair  # noqa: E402
 from loading import read_json  # noqa: E402
 from model import Qwen3, apply_rope, rope_cos_sin  # noqa: E402
 from train_target import HELD_OUT_EVERY, build_stream, forward_batch, greedy_continue, init_weights, lr_at  # noqa: E402

@@ -16,7 +16,9 @@ import ddtree
 from batch import batch_bucket
 from conftest import PAIR_STOP, PAIR_VOCAB, HostReads, assert_one_error_line, cli, load_pair, write_random_pair
 from ddtree import generate, generate_batch
-from draft_tree import accepted_within
+from budget import accepted_within
+from sampler import Sampling
+from settings import Speculation, grouped
 
 VOCAB, STOP = PAIR_VOCAB, PAIR_STOP
 
@@ -47,8 +49,9 @@ def test_greedy_batch_equals_each_lone_run(pair, method, kw):
     prompts = ragged_prompts(6)
     # 6 requests in batches of at most 4 (a batch of 4, then one of 2); the stop token ends some of them early.
     batch = generate_batch(target, drafter, prompts, method=method, max_new_tokens=24, stop_ids=[STOP], max_batch=4,
-                           **kw)
-    lone = [generate(target, drafter, p, method=method, max_new_tokens=24, stop_ids=[STOP], **kw) for p in prompts]
+                           **grouped(kw))
+    lone = [generate(target, drafter, p, method=method, max_new_tokens=24, stop_ids=[STOP], **grouped(kw))
+            for p in prompts]
     assert [r.tokens for r in batch] == [r.tokens for r in lone]
     assert [r.stats["accepted"] for r in batch] == [r.stats["accepted"] for r in lone]
     assert [r.stats["verified"] for r in batch] == [r.stats["verified"] for r in lone]
@@ -67,14 +70,14 @@ def test_seeded_batch_request_is_the_lone_sample(pair, method, kw):
     target, drafter = pair
     prompts, seeds = ragged_prompts(5, seed=1), [11, 12, 13, 14, 15]
     batch = generate_batch(target, drafter, prompts, method=method, max_new_tokens=20, seeds=seeds, stop_ids=[],
-                           **kw)
-    lone = [generate(target, drafter, p, method=method, max_new_tokens=20, seed=s, stop_ids=[], **kw)
+                           **grouped(kw))
+    lone = [generate(target, drafter, p, method=method, max_new_tokens=20, seed=s, stop_ids=[], **grouped(kw))
             for p, s in zip(prompts, seeds)]
     assert [r.stats["seed"] for r in batch] == seeds
     assert [r.tokens for r in batch] == [r.tokens for r in lone]
     # and the seeds matter: other seeds give other samples
     other = generate_batch(target, drafter, prompts, method=method, max_new_tokens=20, seeds=[21, 22, 23, 24, 25],
-                           stop_ids=[], **kw)
+                           stop_ids=[], **grouped(kw))
     assert [r.tokens for r in other] != [r.tokens for r in batch]
 
 
@@ -93,7 +96,7 @@ def test_batch_shrinks_as_requests_end_and_each_request_stays_its_lone_run(pair,
                                                                resume(engine, held)))
     prompts, seeds = ragged_prompts(7, seed=7), list(range(30, 37))
     run = lambda prompts, seeds: generate_batch(target, drafter, prompts, method=method, max_new_tokens=30,
-                                                seeds=seeds, stop_ids=[STOP], max_batch=8, **kw)
+                                                seeds=seeds, stop_ids=[STOP], max_batch=8, **grouped(kw))
     lone = [run([p], [s])[0] for p, s in zip(prompts, seeds)]
     assert not resumed, "a lone request moved"
     together = run(prompts, seeds)
@@ -131,13 +134,14 @@ def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(tmp_
 
 
 def test_one_verify_tells_what_every_smaller_budget_accepts(pair):
-    """The nested-acceptance estimate (draft_tree.accepted_within) from one round at B = 32 equals separate
+    """The nested-acceptance estimate (budget.accepted_within) from one round at B = 32 equals separate
     one-step runs at each smaller budget from the same contexts (greedy: the same target choices)."""
     target, drafter = pair
     smaller = [1, 2, 4, 8, 16]
     estimated, separate = [], []
     for prompt in ragged_prompts(8, seed=6):
-        big = generate(target, drafter, prompt, budget=32, max_new_tokens=2, stop_ids=[], show_tree=True)
+        big = generate(target, drafter, prompt, budget=32, max_new_tokens=2, stop_ids=[],
+                       speculation=Speculation(show_tree=True))
         _, _, _, path, length = big.trees[0]
         estimated.append(accepted_within(path, torch.tensor(length), smaller).tolist())
         separate.append([generate(target, drafter, prompt, budget=b, max_new_tokens=2,
@@ -165,7 +169,7 @@ def test_batch_bucket_is_a_power_of_two_within_the_limit():
 def test_bad_batch_input_is_one_clear_error(pair, kwargs, error, message):
     target, _ = pair
     with pytest.raises(error, match=message):
-        generate_batch(target, None, method="ar", **kwargs)
+        generate_batch(target, None, method="ar", **grouped(kwargs))
 
 
 def test_on_tokens_streams_each_request_by_index(pair):
@@ -271,7 +275,6 @@ def test_a_long_prompt_in_chunks_is_the_prompt_in_one_pass(pair, monkeypatch):
     # The prefill chunk follows the device (ddtree.PREFILL_CHUNKS): a 1,000-token prompt in chunks of 128 leaves
     # the caches and the first token of the same prompt in one 1,024-row pass, and the same tokens after.
     from ddtree import Engine, Speculation, cache_length
-    from sampler import Sampling
     target, drafter = pair
     prompt = torch.randint(2, VOCAB, (1000,), generator=torch.Generator().manual_seed(5)).tolist()
     spec = Speculation(budget=6)
@@ -311,7 +314,7 @@ def test_a_shrinking_batch_survives_the_smaller_engines_warm_up(pair, monkeypatc
 
     prompts, seeds = ragged_prompts(7, seed=7), list(range(30, 37))
     run = lambda prompts, seeds: generate_batch(target, drafter, prompts, method=method, max_new_tokens=30,
-                                                seeds=seeds, stop_ids=[STOP], max_batch=8, **kw)
+                                                seeds=seeds, stop_ids=[STOP], max_batch=8, **grouped(kw))
     lone = [run([p], [s])[0] for p, s in zip(prompts, seeds)]
     ddtree._ENGINES.clear()
     monkeypatch.setattr(ddtree.Engine, "__init__", cold)

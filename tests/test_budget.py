@@ -85,7 +85,7 @@ def test_estimates_are_what_each_candidate_accepted(pair, monkeypatch):
         for c in ("chain", "2", "6", "12"):
             method, b = ("dflash", None) if c == "chain" else ("ddtree", int(c))
             one = generate(target, drafter, prompt, method=method, budget=b, max_new_tokens=2, stop_ids=[])
-            if c == "chain":  # a lower bound where the tree lacked the chain's next node (draft_tree.chain_accepted)
+            if c == "chain":  # a lower bound where the tree lacked the chain's next node (budget.chain_accepted)
                 assert est[c]["tokens_per_round"] <= one.stats["verified"][0], (prompt, c)
             else:
                 assert est[c]["tokens_per_round"] == one.stats["verified"][0], (prompt, c)
@@ -190,7 +190,7 @@ def test_probing_picks_the_largest_tree_that_could_win_then_climbs(pair, monkeyp
     draft; later probes the next size up from the best."""
     target, drafter = pair
     engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
-                               False, False, 1, auto=GRID)
+                               False, 1, auto=GRID)
     engine.calibrated = {"ar": 1.0, "chain": 2.0, "2": 2.0, "6": 3.0, "12": 4.5}
     engine.viable = ["ar", "chain", 2, 6, 12]
     with torch.inference_mode():  # as generate() runs engines (the caches must not record autograd history)
@@ -212,7 +212,7 @@ def test_plain_decoding_starting_a_batch_sizes_the_drafters_caches_too(pair, mon
     drafter.bind(target)  # as generate_batch does
     monkeypatch.setattr(AutoBudget, "choose", forced(["ar", "chain", "ar", 6]))
     engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
-                               False, False, 4, auto=GRID)
+                               False, 4, auto=GRID)
     engine.calibrated = {"ar": 1.0, "chain": None, "2": None, "6": None, "12": None}
     engine.viable, engine.warm = ["ar"], True
     drafter.setup_cache(1024, 2)  # as an engine for 2 requests leaves them
@@ -259,7 +259,7 @@ def test_compiled_auto_equals_eager_without_new_graphs(tmp_path, monkeypatch, on
     spec = ddtree.Speculation(budget="auto")
     with torch.inference_mode():
         length = ddtree.cache_length(40, 20, "ddtree", spec, drafter.bind(target), (6,))
-        key = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), spec, length, True, False, 1,
+        key = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), spec, length, True, 1,
                                 auto=(6,)).key
     budget.save_costs(key, {"ar": 1e-3, "chain": None, "6": 2e-3})
     monkeypatch.setattr(AutoBudget, "choose", forced(["ar", 6, 6, "ar", "ar", 6]))

@@ -13,8 +13,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from draft_tree import (accepted_within, chain_accepted, ancestor_matrix, build_tree, build_tree_heap, candidate_pairs,
-                        format_tree, order_key, pairs_within, topk_per_depth)
+from budget import accepted_within, chain_accepted
+from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, order_key, pairs_within,
+                        topk_per_depth)
+from text import format_tree
 
 INF = math.inf
 SETTINGS = settings(max_examples=80, deadline=None)

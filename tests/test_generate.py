@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import cli as command_line
+import compiling
 import ddtree
 from conftest import compiled_equals_eager
 from ddtree import generate
 from text import Text
 from model import Qwen3
+from settings import grouped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,9 +66,9 @@ def test_stop_ids_end_generation(pair):
 def test_sampling_is_reproducible_by_seed(pair):
     _, ours = pair
     kw = dict(method="ar", max_new_tokens=20, temperature=1.3, top_k=50, top_p=0.95, stop_ids=[])
-    a = generate(ours, None, [1, 2, 3], seed=7, **kw).tokens
-    b = generate(ours, None, [1, 2, 3], seed=7, **kw).tokens
-    c = generate(ours, None, [1, 2, 3], seed=8, **kw).tokens
+    a = generate(ours, None, [1, 2, 3], seed=7, **grouped(kw)).tokens
+    b = generate(ours, None, [1, 2, 3], seed=7, **grouped(kw)).tokens
+    c = generate(ours, None, [1, 2, 3], seed=8, **grouped(kw)).tokens
     greedy = generate(ours, None, [1, 2, 3], method="ar", max_new_tokens=20, stop_ids=[]).tokens
     assert a == b
     assert a != c and a != greedy  # 20 tokens at T=1.3 over 128 tokens: a collision is ~impossible
@@ -101,7 +103,7 @@ def test_bad_api_input_is_a_clear_value_error(pair, kwargs, message):
     _, ours = pair
     kwargs.setdefault("method", "ar")
     with pytest.raises((ValueError, TypeError), match=message):
-        generate(ours, None, **kwargs)
+        generate(ours, None, **grouped(kwargs))
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ def test_an_unwritable_inductor_cache_falls_back_to_a_private_one_with_a_warning
             pytest.skip("this user can write to a read-only directory")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(bad))
     with pytest.warns(UserWarning, match="cannot be written") as caught:
-        ddtree.writable_inductor_cache.__wrapped__()
+        compiling.writable_inductor_cache.__wrapped__()
     fallback = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     assert str(bad) in str(caught[0].message) and fallback != str(bad) and os.access(fallback, os.W_OK)
 
@@ -200,5 +202,5 @@ def test_a_writable_inductor_cache_is_kept(tmp_path, monkeypatch):
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ddtree.writable_inductor_cache.__wrapped__()
+        compiling.writable_inductor_cache.__wrapped__()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "fine")

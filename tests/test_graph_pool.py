@@ -5,12 +5,15 @@ runs without it: no output of a compiled call is read after the next one."""
 import pytest
 
 import budget
+import compiling
 import ddtree
 from budget import AutoBudget
 from conftest import GraphPool, load_pair
 from ddtree import generate_batch
 from test_batch import STOP, ragged_prompts
 from test_budget import GRID, SWITCHES, forced
+from sampler import Sampling
+from settings import Speculation, grouped
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def test_methods_and_shrinking_batches_read_no_stale_output(pair, monkeypatch, m
     target, drafter = pair
     prompts, seeds = ragged_prompts(5, seed=7), list(range(40, 45))
     run = lambda: generate_batch(target, drafter, prompts, method=method, max_new_tokens=24, seeds=seeds,
-                                 stop_ids=[STOP], max_batch=4, **kw)
+                                 stop_ids=[STOP], max_batch=4, **grouped(kw))
     plain = [r.tokens for r in run()]
     ddtree._ENGINES.clear()
     pool = GraphPool().install(monkeypatch)
@@ -54,12 +57,12 @@ def test_budget_auto_switching_through_plain_decoding_reads_no_stale_output(pair
 def test_warm_up_runs_each_step_until_cuda_graphs_have_recorded_it(pair, monkeypatch):
     # CUDA graph trees run a step's first call as a warm-up and record on the second: warm_up calls each step as
     # often as graph_warmup_calls says, so that no user's round pays the capture.
-    from ddtree import Engine, Speculation, graph_warmup_calls
-    from sampler import Sampling
+    from compiling import graph_warmup_calls
+    from ddtree import Engine
     assert [graph_warmup_calls(c, d) for c, d in ((True, "cuda"), ("max-autotune", "cuda"), (True, "cpu"),
                                                  (False, "cuda"))] == [2, 2, 1, 1]
     target, drafter = pair
-    monkeypatch.setattr(ddtree, "graph_warmup_calls", lambda compile, device_type: 2)
+    monkeypatch.setattr(compiling, "graph_warmup_calls", lambda compile, device_type: 2)
     engine = Engine(target, drafter, "ddtree", Sampling(), Speculation(budget=6), 256, compile=False)
     calls = []
     for name in ("round", "prefill_step"):

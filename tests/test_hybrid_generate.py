@@ -17,6 +17,8 @@ from model import Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa: E402
+from sampler import Sampling
+from settings import grouped
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,7 +65,7 @@ def prompts(n, seed=0):
 
 
 def greedy(target, drafter, prompt, **kw):
-    return generate(target, drafter, prompt, max_new_tokens=kw.pop("max_new_tokens", 24), stop_ids=[], **kw)
+    return generate(target, drafter, prompt, max_new_tokens=kw.pop("max_new_tokens", 24), stop_ids=[], **grouped(kw))
 
 
 def transformers_greedy(hf, prompt, n):
@@ -118,13 +120,13 @@ def test_hybrid_batch_equals_lone_runs(pair, monkeypatch):
     for kw in (dict(), dict(temperature=1.0, top_p=0.9)):
         seeds = list(range(10, 14))
         common = dict(method="ddtree", budget=8, max_new_tokens=30, stop_ids=[2], **kw)
-        lone = [generate(target, drafter, p, seed=s, **common).tokens for p, s in zip(ps, seeds)]
+        lone = [generate(target, drafter, p, seed=s, **grouped(common)).tokens for p, s in zip(ps, seeds)]
         assert len({len(t) for t in lone}) > 1, lone  # they end at different rounds
         for cold_engines in (False, True):
             ddtree._ENGINES.clear()
             if cold_engines:
                 monkeypatch.setattr(ddtree.Engine, "__init__", cold)
-            batch = generate_batch(target, drafter, ps, seeds=seeds, max_batch=4, **common)
+            batch = generate_batch(target, drafter, ps, seeds=seeds, max_batch=4, **grouped(common))
             assert [r.tokens for r in batch] == lone, (kw, cold_engines)
         monkeypatch.setattr(ddtree.Engine, "__init__", init)
     assert resumed, "the batch never shrank"
@@ -196,7 +198,8 @@ def test_hybrid_steps_read_no_stale_output(pair, monkeypatch):
     _, target, drafter, _ = pair
     ps, seeds = prompts(4, seed=8), [1, 2, 3, 4]
     run = lambda: [r.tokens for r in generate_batch(target, drafter, ps, method="ddtree", budget=8, max_new_tokens=20,
-                                                    seeds=seeds, stop_ids=[3], max_batch=4, temperature=1.0)]
+                                                    seeds=seeds, stop_ids=[3], max_batch=4,
+                                                    sampling=Sampling(temperature=1.0))]
     plain = run()
     assert len({len(t) for t in plain}) > 1 and max(map(len, plain)) >= 10, plain  # they end at different rounds
     ddtree._ENGINES.clear()

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 import draft_tree
 from conftest import written_once
-from model import Qwen3, Recurrent
+from gated_delta import Recurrent
+from model import Qwen3
 from tree_attn import PrefixMask, causal, compact_kv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -25,6 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from conftest import PAIR_VOCAB, assert_one_error_line, cli, load_pair  # noqa: E402
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa
+from sampler import Sampling
+from settings import Speculation, grouped
 
 VOCAB = PAIR_VOCAB
 BUNDLED_TARGET = os.path.join(ROOT, "assets", "tiny-target")
@@ -55,7 +57,7 @@ def test_vanishing_temperature_samples_the_argmax(pair, temperature):
     ar = greedy_ar(target, prompt, 12)
     for method in ("ar", "ddtree", "dflash"):
         res = generate(target, None if method == "ar" else drafter, prompt, method=method, max_new_tokens=12,
-                       temperature=temperature, seed=1, stop_ids=[])
+                       sampling=Sampling(temperature=temperature), seed=1, stop_ids=[])
         assert res.tokens == ar, method
 
 
@@ -65,7 +67,7 @@ def test_vanishing_draft_temperature_keeps_drafting(pair):
     prompt = [3, 4, 5]
     base = generate(target, drafter, prompt, method="ddtree", budget=4, max_new_tokens=30, stop_ids=[])
     sharp = generate(target, drafter, prompt, method="ddtree", budget=4, max_new_tokens=30, stop_ids=[],
-                     draft_temperature=1e-40)
+                     speculation=Speculation(draft_temperature=1e-40))
     assert sharp.tokens == base.tokens == greedy_ar(target, prompt, 30)
     assert sharp.stats["tau"] > 1.0, sharp.stats
 
@@ -81,7 +83,7 @@ def test_non_finite_probabilities_are_an_error(pair, monkeypatch):
     for method in ("ar", "ddtree"):
         with pytest.raises(ValueError, match="non-finite"):
             generate(target, None if method == "ar" else drafter, [3, 4], method=method, max_new_tokens=6,
-                     temperature=0.8, seed=0, stop_ids=[])
+                     sampling=Sampling(temperature=0.8), seed=0, stop_ids=[])
 
 
 def with_layer_ids(src, dst, ids, swap_fc_blocks):
@@ -152,9 +154,11 @@ def test_fresh_seed_leaves_torch_global_rng_alone(pair):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    a = generate(target, drafter, [3, 4], method="ddtree", budget=4, max_new_tokens=8, temperature=1.0)
+    a = generate(target, drafter, [3, 4], method="ddtree", budget=4, max_new_tokens=8,
+                 sampling=Sampling(temperature=1.0))
     assert torch.equal(torch.rand(3), expected)
-    b = generate(target, drafter, [3, 4], method="ddtree", budget=4, max_new_tokens=8, temperature=1.0,
+    b = generate(target, drafter, [3, 4], method="ddtree", budget=4, max_new_tokens=8,
+                 sampling=Sampling(temperature=1.0),
                  seed=a.stats["seed"])
     assert b.tokens == a.tokens  # the drawn seed is reported and reproduces the run
 
@@ -193,7 +197,7 @@ def test_bad_api_arguments_say_what_is_expected(pair, kwargs, error, message):
     target, drafter = pair
     kwargs = dict(dict(prompt_ids=[1, 2], method="ddtree", max_new_tokens=4), **kwargs)
     with pytest.raises(error, match=message):
-        generate(target, drafter, **kwargs)
+        generate(target, drafter, **grouped(kwargs))
 
 
 def test_integer_tensors_and_tuples_are_prompts(pair):
@@ -258,7 +262,7 @@ def test_generate_with_generated_arguments(pair, arguments):
     target, drafter = pair
     prompt, kwargs = arguments
     try:
-        res = generate(target, drafter, prompt, **kwargs)
+        res = generate(target, drafter, prompt, **grouped(kwargs))
     except (ValueError, TypeError) as e:
         assert str(e)
         event(type(e).__name__)

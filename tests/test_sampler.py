@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sampler  # noqa: E402
 from sampler import Sampling, draw_noise, sample, verify_chain_sampled, walk_tree, warp_logits, warp_probs  # noqa: E402
+from settings import check_sampling
 
 torch.set_num_threads(1)
 FAST = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
@@ -690,13 +691,13 @@ def test_draw_noise_is_seeded():
 )
 def test_sampling_rejects_bad_values(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        Sampling(**kwargs)
+        check_sampling(Sampling(**kwargs))
 
 
 def test_sampling_accepts_good_values():
     assert Sampling().greedy and not Sampling(temperature=0.7).greedy
-    Sampling(temperature=1, top_k=50, top_p=1, min_p=1)
-    Sampling(temperature=0.01, top_k=0, top_p=1e-3, min_p=0)
+    assert check_sampling(Sampling(temperature=1, top_k=50, top_p=1, min_p=1)) == Sampling(1.0, 50, 1.0, 1.0)
+    check_sampling(Sampling(temperature=0.01, top_k=0, top_p=1e-3, min_p=0))
 
 
 def test_sample_rows_in_chunks_draws_what_all_rows_at_once_draw(monkeypatch):

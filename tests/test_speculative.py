@@ -10,15 +10,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import ddtree
+import compiling
 import cpu_backend
 from conftest import compiled_equals_eager, random_prompts
 from ddtree import Engine, Speculation, generate
-from drafter import DFlashDrafter, default_target_layer_ids
+from drafter import DFlashDrafter
+from loading import default_target_layer_ids
 from model import Attention, Linear, Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
+from sampler import Sampling
+from settings import grouped
 
 VOCAB = 16  # small, so random drafts are often right and paths get accepted, compacted and extended
 
@@ -48,7 +51,7 @@ def prompts(n, seed=0):
 
 
 def greedy(target, drafter, prompt, **kw):
-    return generate(target, drafter, prompt, max_new_tokens=kw.pop("max_new_tokens", 30), stop_ids=[], **kw)
+    return generate(target, drafter, prompt, max_new_tokens=kw.pop("max_new_tokens", 30), stop_ids=[], **grouped(kw))
 
 
 _AR = {}
@@ -115,7 +118,7 @@ def test_denoise_steps_run_and_stay_lossless(models):
 
 
 def test_show_tree_records_rounds(models):
-    from draft_tree import format_tree
+    from text import format_tree
     target, drafters = models
     res = greedy(target, drafters[5], [2, 3, 4], method="ddtree", budget=10, max_new_tokens=8, show_tree=True)
     tokens, parents, depths, path, length = res.trees[0]
@@ -154,9 +157,9 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
     assert greedy(other, drafters[5], cases[1][0], max_new_tokens=30, compile="max-autotune", **kw).tokens == eager
     assert not inductor.freezing and not inductor.max_autotune
     # A run's first step, the one that can compile, checks every guard under the autotune options; the later
-    # ones skip the guards and set nothing (ddtree.call_compiled).
-    calls, call = [], ddtree.call_compiled
-    monkeypatch.setattr(ddtree, "call_compiled", lambda fn, args, options, check_guards:
+    # ones skip the guards and set nothing (compiling.call_compiled).
+    calls, call = [], compiling.call_compiled
+    monkeypatch.setattr(compiling, "call_compiled", lambda fn, args, options, check_guards:
                         calls.append((options, check_guards)) or call(fn, args, options, check_guards))
     res = greedy(other, drafters[5], cases[1][0], max_new_tokens=30, compile="max-autotune", **kw)
     assert res.tokens == eager
@@ -170,7 +173,6 @@ def test_engine_decides_tree_builder_and_attention_once(models):
     and on the CPU prefill eagerly (SDPA, the mask materialized): chosen in the constructor, the same for every
     call."""
     from draft_tree import build_tree, build_tree_heap
-    from sampler import Sampling
     target, drafters = models
     cpu_backend.start_cpu_isa_probe.cache_clear()
     for compile, builder, dense in ((False, build_tree_heap, True), (True, build_tree, False)):
@@ -178,7 +180,7 @@ def test_engine_decides_tree_builder_and_attention_once(models):
         masks = (engine.decode_mask, engine.draft_mask, engine.verify_mask)
         assert engine.build_tree is builder and all(m.dense == dense for m in masks)
         assert isinstance(engine.verify_mask.set(3), torch.Tensor) == dense
-        assert engine.prefill_mask.dense and engine.prefill_step == engine._prefill_step and not engine.compile_prefill
+        assert engine.prefill_mask.dense and engine.prefill_step == engine._prefill_step
         assert cpu_backend.start_cpu_isa_probe.cache_info().currsize == int(bool(compile))  # started by compiled engines
     # compiled CPU engines load the attention kernel, and their float32 rounds run it (cpu_backend.cpu_kernel_applies)
     assert cpu_backend.cpu_kernel_loaded
@@ -198,7 +200,7 @@ def test_compiled_sampling_equals_eager_without_recompiles(models):
                 dict(method="dflash", temperature=1.1, top_k=6, draft_sampling=True)]
     for kw in settings:
         compiled_equals_eager(lambda p, compile: generate(target, drafters[5], p, max_new_tokens=40, stop_ids=[],
-                                                          seed=3, compile=compile, **kw), prompts(3, seed=12))
+                                                          seed=3, compile=compile, **grouped(kw)), prompts(3, seed=12))
 
 
 # ---- drafter loading and pair checks ---------------------------------------------------------------------------
@@ -297,7 +299,7 @@ def test_hidden_size_mismatch_is_a_clear_error(tmp_path, files, models):
 def test_bad_speculative_input(models, kwargs, message):
     target, drafters = models
     with pytest.raises((ValueError, TypeError), match=message):
-        generate(target, drafters[5], [1, 2], max_new_tokens=4, **kwargs)
+        generate(target, drafters[5], [1, 2], max_new_tokens=4, **grouped(kwargs))
 
 
 def test_method_needs_a_drafter(models):
@@ -363,7 +365,6 @@ def test_sliding_window_drafter_layers_see_only_their_window(files, models, tmp_
     """A z-lab config whose layer_types name sliding_attention layers (drafters of hybrid targets): those layers'
     block rows see only the slots within sliding_window - 1 of their own, the others everything, as masks written
     by hand give; the window changes the drafts once the context outgrows it; generation stays lossless."""
-    from sampler import Sampling
     paths, tc = files
     target, _ = models
     window = 6

@@ -6,7 +6,7 @@ p = 1e-6), and a planted bug in the verification (scripts/stat_test.py's control
 on the same seeds, so the test demonstrably has the power to see a wrong law. Drafts must be accepted often
 enough for the verification rule to matter. Greedy runs must reproduce AR greedy exactly.
 
-Sampling runs the engine's eager CPU attention (the mask materialized for SDPA, ddtree.EAGER_CPU_ATTENTION);
+Sampling runs the engine's eager CPU attention (the mask materialized for SDPA, cpu_backend.EAGER_CPU_ATTENTION);
 test_dense_attention_matches_flex_and_the_kernel checks that it gives the engine the same tokens as eager
 FlexAttention and as the CPU attention kernel of compiled engines. Seeds are
 fixed, so every p-value here is deterministic on a given build.
@@ -26,6 +26,8 @@ from ddtree import generate
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import stat_test as st  # noqa: E402
+from sampler import Sampling
+from settings import grouped
 
 PICK = ddtree.Engine.pick
 
@@ -90,7 +92,7 @@ def test_dense_attention_matches_flex_and_the_kernel(pair, monkeypatch):
                 c.clear()
             with st.attention(kind, target, drafter):
                 runs[kind] = [generate(target, drafter if kw["method"] != "ar" else None, PROMPT, max_new_tokens=8,
-                                       seed=s, stop_ids=[], **kw, **WARP).tokens for s in range(6)]
+                                       seed=s, stop_ids=[], **grouped(kw), **grouped(WARP)).tokens for s in range(6)]
             assert {k: len(c) > 0 for k, c in calls.items()} == {"flex": kind == "flex", "kernel": kind == "kernel"}
         assert runs["dense"] == runs["flex"] == runs["kernel"], kw
 
@@ -143,7 +145,8 @@ def test_greedy_samples_equal_ar_greedy(pair, kw):
     with st.attention("dense"):
         ar = generate(target, None, PROMPT, method="ar", max_new_tokens=8, stop_ids=[]).tokens
         for seed in range(4):
-            res = generate(target, drafter, PROMPT, max_new_tokens=8, seed=seed, stop_ids=[], temperature=0.0, **kw)
+            res = generate(target, drafter, PROMPT, max_new_tokens=8, seed=seed, stop_ids=[],
+                           sampling=Sampling(temperature=0.0), **grouped(kw))
             assert res.tokens == ar, (kw, seed)
 
 

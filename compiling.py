@@ -1,0 +1,72 @@
+"""How an engine's steps are compiled and called: torch.compile with CUDA graphs on a GPU (the CPU's compile behind
+cpu_backend.compile_round), the guards a compiled step checks per call, and an inductor cache that can be written.
+
+The engine's round and prefill chunk are fullgraph functions of fixed shapes: one graph each per engine shape,
+replayed every round. docs/compile.md explains each choice made here.
+"""
+
+import contextlib
+import functools
+import os
+import tempfile
+import warnings
+
+import torch
+
+import cpu_backend
+
+
+def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
+    """The engine's (round, prefill step) compiled for this device, the inductor options its compiling calls set
+    (call_compiled), and the seconds spent building the CPU attention kernel (0 on a GPU, or once built).
+
+    One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the query length
+    fails to build on the CPU (docs/compile.md). Engines compile the same methods, so they share one cache per
+    method: an engine whose tensors and settings match an earlier one's reuses its graphs (which read the models
+    and masks through the engine at each call); frozen graphs are per engine."""
+    # Room for a few engines (settings, budgets) before dynamo falls back to eager.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    writable_inductor_cache()
+    if target.device.type == "cpu":  # the prefill stays eager on the CPU (docs/compile.md, "Eager prefill on CPU")
+        round_fn, options, build_seconds = cpu_backend.compile_round(round_fn, target, drafter, compile)
+        return round_fn, prefill_step, options, build_seconds
+    mode = "reduce-overhead" if compile is True else compile  # CUDA graphs ("max-autotune" includes them)
+    return (torch.compile(round_fn, dynamic=False, fullgraph=True, mode=mode),
+            torch.compile(prefill_step, dynamic=False, fullgraph=True, mode=mode), {}, 0.0)
+
+
+def graph_warmup_calls(compile, device_type: str) -> int:
+    """Calls of each compiled step before its graph runs as it will: CUDA graph trees run a function's first call
+    as a warm-up and record its graph on the second (torch/_inductor/cudagraph_trees.py); plain graphs are built
+    by the first call."""
+    return 2 if compile and device_type == "cuda" else 1
+
+
+def call_compiled(fn, args: tuple, options: dict, check_guards: bool):
+    """fn(*args), fn compiled (or eager: then both ways are a plain call). With check_guards, every guard is
+    evaluated and `options` (inductor's, for a compile) are set: only such a call can compile. Without, only the
+    guards that tell fn's graphs apart are, and a call that would recompile is an error instead, so it needs no
+    options and does not pay for setting them (docs/compile.md, "Guards checked once per run")."""
+    if not check_guards:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return fn(*args)
+    with torch._inductor.config.patch(options) if options else contextlib.nullcontext():
+        return fn(*args)
+
+
+@functools.cache
+def writable_inductor_cache():
+    """Inductor writes every compiled kernel under TORCHINDUCTOR_CACHE_DIR (default: the temporary directory's
+    torchinductor_<user>); where that cannot be written, a compile dies deep inside a worker thread. Checked once
+    per process: an unwritable one is replaced by a private temporary directory for this process, with one warning."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    try:
+        path = cache_dir()  # makes it if need be
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        fallback = tempfile.mkdtemp(prefix="ddtree-inductor-")
+        warnings.warn(f"the inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')} cannot be written ({e}); "
+                      f"compiling into {fallback} for this run (set TORCHINDUCTOR_CACHE_DIR to a writable directory "
+                      f"to keep compiled kernels between runs)")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fallback
