@@ -67,9 +67,8 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}: {name}, {torch.get_num_threads()} threads"
 
 
-# Raised when the engine's own round costs change (a calibration made before is measured again): 2 since the
-# oneDNN copies of the weights made few-row matmuls cheaper under compile="max-autotune" on the CPU, 3 since
-# compiled steps after a run's first skip most of dynamo's guards (Engine.run_round).
+# Raised when a change to the engine moves its own round costs, so that calibrations made before are measured
+# again (docs/budget.md says which changes raised it).
 COSTS_VERSION = 3
 
 
