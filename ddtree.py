@@ -10,12 +10,12 @@ Three methods share one decoding loop:
           committed.
 Every method is lossless: greedy output equals plain greedy decoding, sampled output follows the target's law.
 
-Reading order: generate() -> Engine.step (one round, its randomness and its one host read) -> Engine._round
-(five stages, each one call into the file that owns it: drafter.py, draft_tree.py + tree_attn.py, model.py,
-sampler.py, tree_attn.py) -> the engine's buffers and compile. Around it, one concern per file: batch.py (the
-decoding loop, shrinking batches), budget.py (budget auto), settings.py (Speculation, argument checks), cli.py
-(the command line), compiling.py (torch.compile, CUDA graphs), cpu_backend.py (CPU-only speed), gated_delta.py
-(recurrent layers, docs/recurrent_tree.md).
+Reading order: generate() -> Engine (its masks and compiled steps) -> Engine.step (one round, its randomness and
+its one host read) -> Engine._round (five stages, each one call into the file that owns it: drafter.py,
+draft_tree.py + tree_attn.py, model.py, sampler.py, tree_attn.py) -> the prefill. Around it, one concern per
+file: batch.py (the decoding loop, shrinking batches), budget.py (budget auto), settings.py (Speculation, argument
+checks), cli.py (the command line), compiling.py (torch.compile, CUDA graphs), cpu_backend.py (CPU-only speed),
+gated_delta.py (recurrent layers, docs/recurrent_tree.md).
 docs/round.md walks through one round with a picture of its tree and mask.
 """
 
@@ -126,7 +126,7 @@ def finite_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The engine: one round, then the buffers, masks and compiled steps it runs on
+# The engine: its masks and compiled steps, the requests' steps, the five stages of a round, the prefill
 
 
 class Engine:
@@ -136,7 +136,53 @@ class Engine:
     token, its position, its generator, and whether it is still running. Every tensor of a round has the batch
     as its leading dimension; request n owns row n of every cache."""
 
-    # -- requests: start, then one step per round ----------------------------------------------------------------
+    # -- construction ---------------------------------------------------------------------------------------------
+
+    def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, sampling: Sampling,
+                 spec: Speculation, max_seq_len: int, compile: bool | str, batch: int = 1, tally=None):
+        self.target, self.drafter, self.method, self.sampling, self.spec = target, drafter, method, sampling, spec
+        self.device, self.max_seq_len, self.batch, self.compiled = target.device, max_seq_len, batch, compile
+        self.tally = tally  # budget auto (budget.tally): what smaller budgets and the chain would have accepted
+        self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
+        self.guards_checked = False  # whether this run's first step checked every guard (run_round)
+        # The tree builder: the paper's heap when eager (host code, the readable reference, and faster outside a
+        # graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees.
+        self.build_tree = build_tree if compile else build_tree_heap
+        # Masks as FlexAttention BlockMasks, or materialized for SDPA where eager steps run on the CPU
+        # (cpu_backend.dense_masks); the CPU's prefill is eager even in a compiled engine.
+        dense_prefill = cpu_backend.dense_masks(self.device.type)
+        dense = dense_prefill and not compile
+        target.setup_cache(max_seq_len, batch)
+        chunk = prefill_chunk(self.device.type)
+        self.prefill_mask = PrefixMask(chunk, max_seq_len, self.device, dense_prefill, batch)
+        self.prefill_mask.allow.copy_(causal(chunk))
+        self.decode_mask = PrefixMask(1, max_seq_len, self.device, dense, batch)
+        self.decode_mask.allow.fill_(True)
+        self.feature_layers = ()
+        if drafter is not None:
+            drafter.setup_cache(max_seq_len, batch)
+            self.feature_layers = tuple(drafter.config.target_layer_ids)
+            self.depth = drafter.block_size - 1  # L: draft positions per round
+            self.nodes = spec.budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
+            # How deep a round's tree can reach: a tree of B nodes is at most B deep, so a small budget drafts,
+            # walks and commits fewer rows. Budget auto's tally reads the chain's L drafts and paths as long.
+            self.reach = self.depth if tally else min(self.nodes, self.depth)
+            self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch)
+            self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
+            self.draft_window_mask = None  # the same for sliding-window layers (drafters of hybrid targets)
+            if drafter.config.sliding_window:
+                self.draft_window_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch,
+                                                    drafter.config.sliding_window)
+                self.draft_window_mask.allow.fill_(True)
+            self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense, batch)
+        self.prefill_step, self.round = self._prefill_step, (self._decode if method == "ar" else self._round)
+        self.compile_options, self.build_seconds = {}, 0.0  # the round's inductor options; the CPU kernel's build
+        self.warm = not compile
+        if compile:
+            self.round, self.prefill_step, self.compile_options, self.build_seconds = compiling.compile_steps(
+                self.round, self.prefill_step, target, drafter, compile)
+
+    # -- requests: start, then one step per round -----------------------------------------------------------------
 
     def start(self, prompts: list[list[int]], seeds: list[int]) -> list[int]:
         """Prefill the caches with up to `batch` prompts (rows past them run a one-token dummy); returns each
@@ -162,18 +208,6 @@ class Engine:
         committed length, and their results are dropped) and stops drawing randomness."""
         self.live[i] = 0
         self.generators[i] = None
-
-    def setup_caches(self):
-        """Size the models' caches for this engine. They are the models', shared by every engine: another engine,
-        or a caller, may have resized them since (a no-op otherwise; a smaller batch takes the first rows)."""
-        self.target.setup_cache(self.max_seq_len, self.batch)
-        if self.drafter is not None:
-            self.drafter.setup_cache(self.max_seq_len, self.batch)
-
-    def kv_caches(self):
-        yield from self.target.kv_caches()
-        if self.drafter is not None:
-            yield from self.drafter.kv_caches()
 
     def step(self) -> list[tuple[list[int], tuple | None]]:
         """One round for every request: per request, the new token ids (accepted drafts, then the target's own
@@ -207,7 +241,7 @@ class Engine:
         self.guards_checked = True
         return out
 
-    # -- one speculative round: draft -> tree -> verify -> accept -> commit --------------------------------------
+    # -- one speculative round: draft -> tree -> verify -> accept -> commit ---------------------------------------
 
     def _round(self, bonus, start, noise, accept_u, draft_noise):
         """bonus: [N] the last token the target chose for each request, not yet in its cache; start: [N], its
@@ -284,9 +318,10 @@ class Engine:
         # The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
         # computes it inside the drafter pass), in the slots after `start`.
         picked = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-        self.drafter.append_context(picked, positions.gather(1, path), start[:, None] + self.path_slots)
+        slots = start[:, None] + torch.arange(path.shape[1], device=path.device)
+        self.drafter.append_context(picked, positions.gather(1, path), slots)
 
-    # -- plain decoding and the prefill -------------------------------------------------------------------------
+    # -- plain decoding and the prefill ---------------------------------------------------------------------------
 
     def _decode(self, token, start, noise):
         """ar's round: the target over each request's last token; returns what _round does (the one committed row,
@@ -335,12 +370,10 @@ class Engine:
 
     def _prefill_step(self, tokens, start, last_row, valid, noise, slots=None):
         """A chunk of prompt rows of every request at positions start.. (prefill_chunk rows; fewer with a
-        materialized mask, which takes the mask's first rows and covers `slots` KV slots), of which the first
-        `valid` [N] are the prompt's. Returns the token after each request's `last_row` [N, 1]."""
+        materialized mask, which covers `slots` KV slots and whose first rows the attention takes), of which the
+        first `valid` [N] are the prompt's. Returns the token after each request's `last_row` [N, 1]."""
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         mask = self.prefill_mask.set(start, slots=slots)
-        if self.prefill_mask.dense:
-            mask = mask[:, :, :tokens.shape[1]]
         logits, features = self.target(tokens, positions, positions, mask, logits_rows=last_row,
                                        feature_layers=self.feature_layers, recurrent=Recurrent.chain(valid))
         if self.drafter is not None:  # the prompt is the drafter's first context
@@ -357,7 +390,7 @@ class Engine:
         tokens, sound = sample_rows(logits, noise, self.sampling)
         return tokens, ok & sound
 
-    # -- randomness: drawn outside the compiled graph from each request's seeded generator ----------------------
+    # -- randomness: drawn outside the compiled graph from each request's seeded generator ------------------------
 
     def draws(self, per_request) -> tuple:
         """Each running request's per_request(generator) (a tuple of fixed-shape tensors), stacked along the batch;
@@ -387,52 +420,19 @@ class Engine:
                                      torch.rand(self.depth, generator=g, device=self.device),
                                      draw_noise((self.depth,), g, self.device)))
 
-    # -- construction -------------------------------------------------------------------------------------------
+    # -- the models' caches, and the warm-up of a compiled engine -------------------------------------------------
 
-    def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, sampling: Sampling,
-                 spec: Speculation, max_seq_len: int, compile: bool | str, batch: int = 1, tally=None):
-        self.target, self.drafter, self.method, self.sampling, self.spec = target, drafter, method, sampling, spec
-        self.device, self.max_seq_len, self.batch, self.compiled = target.device, max_seq_len, batch, compile
-        self.tally = tally  # budget auto (budget.tally): what smaller budgets and the chain would have accepted
-        self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
-        self.guards_checked = False  # whether this run's first step checked every guard (run_round)
-        # The tree builder: the paper's heap when eager (host code, the readable reference, and faster outside a
-        # graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees.
-        self.build_tree = build_tree if compile else build_tree_heap
-        # Masks as FlexAttention BlockMasks, or materialized for SDPA where eager steps run on the CPU
-        # (cpu_backend.dense_masks); the CPU's prefill is eager even in a compiled engine.
-        dense_prefill = cpu_backend.dense_masks(self.device.type)
-        dense = dense_prefill and not compile
-        target.setup_cache(max_seq_len, batch)
-        chunk = prefill_chunk(self.device.type)
-        self.prefill_mask = PrefixMask(chunk, max_seq_len, self.device, dense_prefill, batch)
-        self.prefill_mask.allow.copy_(causal(chunk))
-        self.decode_mask = PrefixMask(1, max_seq_len, self.device, dense, batch)
-        self.decode_mask.allow.fill_(True)
-        self.feature_layers = ()
-        if drafter is not None:
-            drafter.setup_cache(max_seq_len, batch)
-            self.feature_layers = tuple(drafter.config.target_layer_ids)
-            self.depth = drafter.block_size - 1  # L: draft positions per round
-            self.nodes = spec.budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
-            # How deep a round's tree can reach: a tree of B nodes is at most B deep, so a small budget drafts,
-            # walks and commits fewer rows. Budget auto's tally reads the chain's L drafts and paths as long.
-            self.reach = self.depth if tally else min(self.nodes, self.depth)
-            self.path_slots = torch.arange(self.reach + 1, device=self.device)  # a committed path's slots past start
-            self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch)
-            self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
-            self.draft_window_mask = None  # the same for sliding-window layers (drafters of hybrid targets)
-            if drafter.config.sliding_window:
-                self.draft_window_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch,
-                                                    drafter.config.sliding_window)
-                self.draft_window_mask.allow.fill_(True)
-            self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense, batch)
-        self.prefill_step, self.round = self._prefill_step, (self._decode if method == "ar" else self._round)
-        self.compile_options, self.build_seconds = {}, 0.0  # the round's inductor options; the CPU kernel's build
-        self.warm = not compile
-        if compile:
-            self.round, self.prefill_step, self.compile_options, self.build_seconds = compiling.compile_steps(
-                self.round, self.prefill_step, target, drafter, compile)
+    def setup_caches(self):
+        """Size the models' caches for this engine. They are the models', shared by every engine: another engine,
+        or a caller, may have resized them since (a no-op otherwise; a smaller batch takes the first rows)."""
+        self.target.setup_cache(self.max_seq_len, self.batch)
+        if self.drafter is not None:
+            self.drafter.setup_cache(self.max_seq_len, self.batch)
+
+    def kv_caches(self):
+        yield from self.target.kv_caches()
+        if self.drafter is not None:
+            yield from self.drafter.kv_caches()
 
     def warm_up_slots(self) -> int:
         """The cache slots warm_up's dummy request writes in every row: a prefill chunk, then a round's rows after

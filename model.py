@@ -216,10 +216,10 @@ class Attention(nn.Module):
         """q [N, H, Q, D] over this layer's caches under `mask`, as [N, Q, H * D]: the one attention seam (on a
         compiled CPU engine, cpu_backend.CpuAttention runs its kernel here where it applies)."""
         n, q_len, gqa = q.shape[0], q.shape[2], self.heads != self.kv_heads
-        if isinstance(mask, torch.Tensor):  # dense, over the KV slots it covers (tree_attn.PrefixMask, dense=True)
-            kv = mask.shape[-1]
-            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :kv], self.v_cache[:, :, :kv], attn_mask=mask,
-                                                 scale=scale, enable_gqa=gqa)
+        if isinstance(mask, torch.Tensor):  # materialized over the KV slots it covers (PrefixMask(dense=True)); a
+            kv = mask.shape[-1]  # call of fewer rows than it was made for (an eager prefill chunk) takes its first rows
+            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :kv], self.v_cache[:, :, :kv],
+                                                 attn_mask=mask[:, :, :q_len], scale=scale, enable_gqa=gqa)
         else:
             options = flex_kernel_options(q_len, q.device.type)
             out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale, enable_gqa=gqa,

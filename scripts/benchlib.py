@@ -107,7 +107,7 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     # K/V of the committed tokens (Engine.commit's append_context). Both count as the drafter's forward, not as
     # tree overhead.
     context = lambda start, feats, positions: engine.drafter.append_context(  # noqa: E731
-        feats, positions, start[:, None] + engine.path_slots)
+        feats, positions, start[:, None] + torch.arange(positions.shape[1], device=positions.device))
     mode = "reduce-overhead" if dev.type == "cuda" else None  # CUDA graphs, as the engine compiles them
     frozen = compile == "max-autotune" and dev.type == "cpu"
     draft = engine.draft

@@ -19,14 +19,13 @@ from safetensors.torch import load_file, save_file
 from ddtree import generate
 from drafter import DFlashDrafter
 from model import Qwen3
-from settings import applies
+from sampler import Sampling
+from settings import Speculation, applies, grouped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from conftest import PAIR_VOCAB, assert_one_error_line, cli, load_pair  # noqa: E402
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa
-from sampler import Sampling
-from settings import Speculation, grouped
 
 VOCAB = PAIR_VOCAB
 BUNDLED_TARGET = os.path.join(ROOT, "assets", "tiny-target")
@@ -192,6 +191,10 @@ def test_fresh_seed_leaves_torch_global_rng_alone(pair):
     (dict(method="dflash", draft_temperature=0.5), ValueError, "draft_temperature does not apply"),
     (dict(top_k=5), ValueError, "top_k does not apply .* greedy"),
     (dict(top_p=0.5, min_p=0.1), ValueError, "top_p, min_p does not apply"),
+    (dict(budget=8, speculation=Speculation(budget=4)), ValueError, "budget is given twice"),
+    (dict(sampling=0.7), TypeError, "sampling must be a sampler.Sampling"),
+    (dict(speculation=dict(budget=4)), TypeError, "speculation must be a settings.Speculation"),
+    (dict(speculation=Speculation(show_tree=1)), TypeError, "show_tree must be True or False"),
 ])
 def test_bad_api_arguments_say_what_is_expected(pair, kwargs, error, message):
     target, drafter = pair
