@@ -1,11 +1,12 @@
 """The settings of a run and their checks at the API's boundary.
 
-Speculation holds how a speculative round drafts (sampler.Sampling, how tokens are drawn). Input is checked once,
-where it enters, and everything past that boundary assumes it is valid: generate() and generate_batch() check
-their arguments here (check_settings, check_request); loading checks the checkpoint files (loading.py,
-drafter.check_pair); the command line checks what only it has (text to numbers, which options apply, the
-prompt's text) and turns every ValueError / TypeError into one `error:` line, exit 2. The one check left inside
-the rounds is what no boundary can foresee: non-finite logits or probabilities (ddtree.Engine.pick).
+A run's settings travel as two dataclasses: sampler.Sampling (how the target's tokens are drawn) and Speculation
+(how a speculative round drafts). Input is checked once, where it enters, and everything past that boundary
+assumes it is valid: generate() and generate_batch() check their arguments here (check_settings, check_request);
+loading checks the checkpoint files and whether a drafter fits its target (loading.py, loading.check_pair); the
+command line checks what only it has (text to numbers, which options apply, the prompt's text) and turns every
+ValueError / TypeError into one `error:` line, exit 2. The one check left inside the rounds is what no boundary
+can foresee: non-finite logits or probabilities (ddtree.Engine.pick).
 """
 
 import math
