@@ -300,7 +300,7 @@ def test_a_long_prompt_in_chunks_is_the_prompt_in_one_pass(pair, monkeypatch):
 
 @pytest.mark.parametrize("method, kw", SHRINKING[:2], ids=[m for m, _ in SHRINKING[:2]])
 def test_a_shrinking_batch_survives_the_smaller_engines_warm_up(pair, monkeypatch, method, kw):
-    # Requests move to the smaller engine's rows in place (Engine.take); a smaller engine that is new warms up
+    # Requests move to the smaller engine's rows in place (batch.take); a smaller engine that is new warms up
     # first, with a dummy request in every row: the moved requests' first slots must come back intact.
     target, drafter = pair
     init = ddtree.Engine.__init__
