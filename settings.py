@@ -45,12 +45,13 @@ def grouped(settings: dict) -> dict:
     top_p and min_p make its `sampling`, draft_temperature, draft_sampling, denoise_steps and show_tree its
     `speculation`; the rest pass as they are."""
     out = {k: v for k, v in settings.items() if k not in SAMPLING_FIELDS + SPECULATION_FIELDS}
-    sampling = {k: settings[k] for k in SAMPLING_FIELDS if k in settings}
-    speculation = {k: settings[k] for k in SPECULATION_FIELDS if k in settings}
-    if sampling:
-        out["sampling"] = Sampling(**sampling)
-    if speculation:
-        out["speculation"] = Speculation(**speculation)
+    groups = (("sampling", Sampling, SAMPLING_FIELDS), ("speculation", Speculation, SPECULATION_FIELDS))
+    for name, cls, fields in groups:
+        given = {k: settings[k] for k in fields if k in settings}
+        if given and name in out:
+            raise ValueError(f"{', '.join(given)} and {name} are both given: give them as {name}")
+        if given:
+            out[name] = cls(**given)
     return out
 
 

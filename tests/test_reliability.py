@@ -203,6 +203,16 @@ def test_bad_api_arguments_say_what_is_expected(pair, kwargs, error, message):
         generate(target, drafter, **grouped(kwargs))
 
 
+def test_grouped_settings_are_the_api_arguments_and_a_setting_given_twice_is_refused():
+    assert grouped(dict(temperature=0.5, top_p=0.9, show_tree=True, budget=4, seed=1)) == dict(
+        budget=4, seed=1, sampling=Sampling(temperature=0.5, top_p=0.9), speculation=Speculation(show_tree=True))
+    assert grouped(dict(budget=4)) == dict(budget=4)
+    with pytest.raises(ValueError, match="temperature and sampling are both given"):
+        grouped(dict(temperature=0.5, sampling=Sampling()))
+    with pytest.raises(ValueError, match="denoise_steps and speculation are both given"):
+        grouped(dict(denoise_steps=2, speculation=Speculation()))
+
+
 def test_integer_tensors_and_tuples_are_prompts(pair):
     target, _ = pair
     ref = greedy_ar(target, [3, 4, 5], 5)
