@@ -1,4 +1,5 @@
-"""Qwen3 dense target model: Hugging Face checkpoints loaded through safetensors into our own modules.
+"""Qwen3 target models (dense, Qwen3-MoE, Qwen3.5 hybrids): Hugging Face checkpoints loaded through safetensors into
+our own modules.
 
 The forward takes token ids, their RoPE positions and the cache slots their K/V go to (they differ in a tree
 verify: a node at depth d sits at position start + d but in slot start + row), attends with the mask from
