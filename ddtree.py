@@ -61,19 +61,20 @@ DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets
 
 
 def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
-             budget: int | str | None = None, max_new_tokens: int = 256, sampling: Sampling | None = None,
-             seed: int | None = None, stop_ids=None, compile: bool | str = False, on_tokens=None,
-             speculation: Speculation | None = None) -> Result:
+             budget: int | str | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop_ids=None,
+             compile: bool | str = False, on_tokens=None, speculation: Speculation | None = None) -> Result:
     """Generate up to `max_new_tokens` after `prompt_ids` (a list of ints or a 1-D integer tensor): the
     one-request case of generate_batch.
 
     budget: ddtree's tree size (default 512), or "auto": each round runs the candidate (plain decoding, the chain,
     or a tree of settings.AUTO_BUDGETS nodes) with the best tokens/s measured on this device (budget.py; its
-    estimates in stats["auto"]). sampling: how the target's tokens are drawn (sampler.Sampling: temperature,
-    top_k, top_p, min_p; default greedy). speculation: how rounds draft (settings.Speculation: draft_temperature,
-    draft_sampling, denoise_steps, show_tree). on_tokens(list[int]) is called with the tokens each round emits
-    (for streaming). A setting that cannot apply to the method (or top_k/top_p/min_p with greedy decoding) is a
-    ValueError, not silently ignored; bad values are a ValueError or TypeError saying what is expected.
+    estimates in stats["auto"]). temperature, top_k, top_p, min_p: how the target's tokens are drawn, warped in
+    Hugging Face's order (temperature 0 = greedy). speculation: how rounds draft beyond the budget
+    (settings.Speculation: draft_temperature, draft_sampling, denoise_steps, show_tree). on_tokens(list[int]) is
+    called with the tokens each round emits (for streaming). A setting that cannot apply to the method (or
+    top_k/top_p/min_p with greedy decoding) is a ValueError, not silently ignored; bad values are a ValueError or
+    TypeError saying what is expected.
 
     stats: new_tokens, rounds, accepted (tokens each round emitted; their sum is new_tokens - 1, the first token
     coming from the prefill), verified (tokens each round's verify accepted, drafts + the target's next token,
@@ -82,14 +83,16 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
     """
     if on_tokens is not None and not callable(on_tokens):
         raise TypeError(f"on_tokens must be a function of a list of token ids, got {on_tokens!r}")
-    return generate_batch(target, drafter, [prompt_ids], method, budget, max_new_tokens, sampling, [seed], stop_ids,
-                          compile, on_tokens and (lambda i, new: on_tokens(new)), speculation, max_batch=1)[0]
+    return generate_batch(target, drafter, [prompt_ids], method, budget, max_new_tokens, temperature, top_k, top_p,
+                          min_p, [seed], stop_ids, compile, on_tokens and (lambda i, new: on_tokens(new)), speculation,
+                          max_batch=1)[0]
 
 
 def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=(), method: str = "ddtree",
-                   budget: int | str | None = None, max_new_tokens: int = 256, sampling: Sampling | None = None,
-                   seeds=None, stop_ids=None, compile: bool | str = False, on_tokens=None,
-                   speculation: Speculation | None = None, max_batch: int = 16, on_result=None) -> list[Result]:
+                   budget: int | str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
+                   top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seeds=None, stop_ids=None,
+                   compile: bool | str = False, on_tokens=None, speculation: Speculation | None = None,
+                   max_batch: int = 16, on_result=None) -> list[Result]:
     """generate() for many independent requests at once: one Result per prompt, in order.
 
     The requests run together, up to `max_batch` at a time, each with its own committed length, tree, RoPE
@@ -101,7 +104,7 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     compiled graphs serve every batch size, and a batch moves to the next smaller power of two as its requests
     end (stats["batch"] is the size it started at). Other settings and stats: as generate().
     """
-    sampling, spec = check_settings(method, sampling, budget, speculation)
+    sampling, spec = check_settings(method, Sampling(temperature, top_k, top_p, min_p), budget, speculation)
     prompts, seeds, stop = check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec,
                                          compile, on_tokens, max_batch, on_result)
 

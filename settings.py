@@ -36,22 +36,18 @@ class Speculation:
     show_tree: bool = False  # keep each round's tree in Result.trees
 
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 SPECULATION_FIELDS = ("draft_temperature", "draft_sampling", "denoise_steps", "show_tree")
 
 
 def grouped(settings: dict) -> dict:
-    """generate()'s keyword arguments from flat ones, as the command line's flags name them: temperature, top_k,
-    top_p and min_p make its `sampling`, draft_temperature, draft_sampling, denoise_steps and show_tree its
-    `speculation`; the rest pass as they are."""
-    out = {k: v for k, v in settings.items() if k not in SAMPLING_FIELDS + SPECULATION_FIELDS}
-    groups = (("sampling", Sampling, SAMPLING_FIELDS), ("speculation", Speculation, SPECULATION_FIELDS))
-    for name, cls, fields in groups:
-        given = {k: settings[k] for k in fields if k in settings}
-        if given and name in out:
-            raise ValueError(f"{', '.join(given)} and {name} are both given: give them as {name}")
-        if given:
-            out[name] = cls(**given)
+    """generate()'s keyword arguments from flat ones, as the command line's flags name them: draft_temperature,
+    draft_sampling, denoise_steps and show_tree make its `speculation`; the rest pass as they are."""
+    out = {k: v for k, v in settings.items() if k not in SPECULATION_FIELDS}
+    given = {k: settings[k] for k in SPECULATION_FIELDS if k in settings}
+    if given and "speculation" in out:
+        raise ValueError(f"{', '.join(given)} and speculation are both given: give them as speculation")
+    if given:
+        out["speculation"] = Speculation(**given)
     return out
 
 
@@ -70,7 +66,7 @@ def check_settings(method, sampling, budget, speculation) -> tuple:
     left None)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    sampling = check_sampling(Sampling() if sampling is None else sampling)
+    sampling = check_sampling(sampling)
     spec = Speculation() if speculation is None else speculation
     if not isinstance(spec, Speculation):
         raise TypeError(f"speculation must be a settings.Speculation, got {reprlib.repr(spec)}")

@@ -500,7 +500,8 @@ def sampled_rounds(c, target, drafter):
         prompts = [torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(i)).tolist()
                    for i in range(n)]
         run = lambda: generate_batch(target, drafter, prompts, budget=512, max_new_tokens=8,
-                                     sampling=Sampling(temperature=1.0, top_p=0.95), seeds=list(range(n)), compile=c.compile, stop_ids=[], max_batch=n)
+                                     temperature=1.0, top_p=0.95, seeds=list(range(n)), compile=c.compile,
+                                     stop_ids=[], max_batch=n)
         t = time.time()
         run()
         first = time.time() - t

@@ -11,7 +11,6 @@ import torch
 
 import cli as command_line
 import compiling
-import ddtree
 from conftest import compiled_equals_eager
 from ddtree import generate
 from text import Text

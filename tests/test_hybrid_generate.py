@@ -17,7 +17,6 @@ from model import Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa: E402
-from sampler import Sampling
 from settings import grouped
 
 transformers = pytest.importorskip("transformers")
@@ -199,7 +198,7 @@ def test_hybrid_steps_read_no_stale_output(pair, monkeypatch):
     ps, seeds = prompts(4, seed=8), [1, 2, 3, 4]
     run = lambda: [r.tokens for r in generate_batch(target, drafter, ps, method="ddtree", budget=8, max_new_tokens=20,
                                                     seeds=seeds, stop_ids=[3], max_batch=4,
-                                                    sampling=Sampling(temperature=1.0))]
+                                                    temperature=1.0)]
     plain = run()
     assert len({len(t) for t in plain}) > 1 and max(map(len, plain)) >= 10, plain  # they end at different rounds
     ddtree._ENGINES.clear()

@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 from ddtree import generate
 from drafter import DFlashDrafter
 from model import Qwen3
-from sampler import Sampling
 from settings import Speculation, applies, grouped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +55,7 @@ def test_vanishing_temperature_samples_the_argmax(pair, temperature):
     ar = greedy_ar(target, prompt, 12)
     for method in ("ar", "ddtree", "dflash"):
         res = generate(target, None if method == "ar" else drafter, prompt, method=method, max_new_tokens=12,
-                       sampling=Sampling(temperature=temperature), seed=1, stop_ids=[])
+                       temperature=temperature, seed=1, stop_ids=[])
         assert res.tokens == ar, method
 
 
@@ -82,7 +81,7 @@ def test_non_finite_probabilities_are_an_error(pair, monkeypatch):
     for method in ("ar", "ddtree"):
         with pytest.raises(ValueError, match="non-finite"):
             generate(target, None if method == "ar" else drafter, [3, 4], method=method, max_new_tokens=6,
-                     sampling=Sampling(temperature=0.8), seed=0, stop_ids=[])
+                     temperature=0.8, seed=0, stop_ids=[])
 
 
 def with_layer_ids(src, dst, ids, swap_fc_blocks):
@@ -154,10 +153,10 @@ def test_fresh_seed_leaves_torch_global_rng_alone(pair):
     expected = torch.rand(3)
     torch.manual_seed(123)
     a = generate(target, drafter, [3, 4], method="ddtree", budget=4, max_new_tokens=8,
-                 sampling=Sampling(temperature=1.0))
+                 temperature=1.0)
     assert torch.equal(torch.rand(3), expected)
     b = generate(target, drafter, [3, 4], method="ddtree", budget=4, max_new_tokens=8,
-                 sampling=Sampling(temperature=1.0),
+                 temperature=1.0,
                  seed=a.stats["seed"])
     assert b.tokens == a.tokens  # the drawn seed is reported and reproduces the run
 
@@ -192,7 +191,6 @@ def test_fresh_seed_leaves_torch_global_rng_alone(pair):
     (dict(top_k=5), ValueError, "top_k does not apply .* greedy"),
     (dict(top_p=0.5, min_p=0.1), ValueError, "top_p, min_p does not apply"),
     (dict(budget=8, speculation=Speculation(budget=4)), ValueError, "budget is given twice"),
-    (dict(sampling=0.7), TypeError, "sampling must be a sampler.Sampling"),
     (dict(speculation=dict(budget=4)), TypeError, "speculation must be a settings.Speculation"),
     (dict(speculation=Speculation(show_tree=1)), TypeError, "show_tree must be True or False"),
 ])
@@ -204,11 +202,9 @@ def test_bad_api_arguments_say_what_is_expected(pair, kwargs, error, message):
 
 
 def test_grouped_settings_are_the_api_arguments_and_a_setting_given_twice_is_refused():
-    assert grouped(dict(temperature=0.5, top_p=0.9, show_tree=True, budget=4, seed=1)) == dict(
-        budget=4, seed=1, sampling=Sampling(temperature=0.5, top_p=0.9), speculation=Speculation(show_tree=True))
+    assert grouped(dict(temperature=0.5, top_p=0.9, show_tree=True, denoise_steps=2, budget=4, seed=1)) == dict(
+        temperature=0.5, top_p=0.9, budget=4, seed=1, speculation=Speculation(denoise_steps=2, show_tree=True))
     assert grouped(dict(budget=4)) == dict(budget=4)
-    with pytest.raises(ValueError, match="temperature and sampling are both given"):
-        grouped(dict(temperature=0.5, sampling=Sampling()))
     with pytest.raises(ValueError, match="denoise_steps and speculation are both given"):
         grouped(dict(denoise_steps=2, speculation=Speculation()))
 

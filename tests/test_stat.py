@@ -26,7 +26,6 @@ from ddtree import generate
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import stat_test as st  # noqa: E402
-from sampler import Sampling
 from settings import grouped
 
 PICK = ddtree.Engine.pick
@@ -146,7 +145,7 @@ def test_greedy_samples_equal_ar_greedy(pair, kw):
         ar = generate(target, None, PROMPT, method="ar", max_new_tokens=8, stop_ids=[]).tokens
         for seed in range(4):
             res = generate(target, drafter, PROMPT, max_new_tokens=8, seed=seed, stop_ids=[],
-                           sampling=Sampling(temperature=0.0), **grouped(kw))
+                           temperature=0.0, **grouped(kw))
             assert res.tokens == ar, (kw, seed)
 
 
