@@ -12,11 +12,12 @@ import time
 import warnings
 
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate, generate_batch
+from draft_tree import format_tree
 from drafter import DFlashDrafter
 from model import Qwen3
 from sampler import Sampling
 from settings import AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, check_applies, check_int, check_sampling, grouped
-from text import Streamer, Text, format_tree
+from text import Streamer, Text
 
 
 def parse_args(argv):

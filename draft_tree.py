@@ -231,3 +231,40 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None, dtype=t
         anc = anc | anc.gather(-2, up.unsqueeze(-1).expand_as(anc))  # row i |= row up[i], within each tree
         up = up.gather(-1, up)
     return anc.to(dtype).contiguous()  # contiguous: with no step, anc is still the broadcast identity
+
+
+def format_tree(tokens, parents, accepted_rows=None, decode=lambda t: str(t), probs=None, root="<bonus>"):
+    """A `tree`-style text picture of one round's tree (the CLI's --show-tree).
+
+    One line per node: decoded token, then its probability if `probs` ([B], e.g. q of the token at its depth) is
+    given, then "✓" if its row is in `accepted_rows` (rows of the accepted path; the root is row 0) and "·" if
+    not (marks only when accepted_rows is given). Children appear in rank order (= row order). Padding is skipped.
+    """
+    tokens, parents = (torch.as_tensor(t).tolist() for t in (tokens, parents))
+    probs = None if probs is None else torch.as_tensor(probs).tolist()
+    accepted = None if accepted_rows is None else set(torch.as_tensor(accepted_rows).reshape(-1).tolist())
+    children = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(p, []).append(i + 1)
+
+    def label(row):
+        text = root if row == 0 else decode(tokens[row - 1])
+        text = text.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+        if row > 0 and probs is not None:
+            text += f"  {probs[row - 1]:.3f}"
+        if accepted is not None:
+            text += "  ✓" if row in accepted else "  ·"
+        return text
+
+    lines = [label(0)]
+
+    def walk(row, indent):
+        kids = children.get(row, [])
+        for n, kid in enumerate(kids):
+            last = n == len(kids) - 1
+            lines.append(indent + ("└── " if last else "├── ") + label(kid))
+            walk(kid, indent + ("    " if last else "│   "))
+
+    walk(0, "")
+    return "\n".join(lines)

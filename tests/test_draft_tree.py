@@ -14,9 +14,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from budget import accepted_within, chain_accepted
-from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, order_key, pairs_within,
-                        topk_per_depth)
-from text import format_tree
+from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, format_tree, order_key,
+                        pairs_within, topk_per_depth)
 
 INF = math.inf
 SETTINGS = settings(max_examples=80, deadline=None)
