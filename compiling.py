@@ -1,5 +1,5 @@
 """How an engine's steps are compiled and called: torch.compile with CUDA graphs on a GPU (the CPU's compile behind
-cpu_backend.compile_round), the guards a compiled step checks per call, and an inductor cache that can be written.
+cpu.compile_round), the guards a compiled step checks per call, and an inductor cache that can be written.
 
 The engine's round and prefill chunk are fullgraph functions of fixed shapes: one graph each per engine shape,
 replayed every round. docs/compile.md explains each choice made here.
@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-import cpu_backend
+import cpu
 
 
 def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
@@ -28,7 +28,7 @@ def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     writable_inductor_cache()
     if target.device.type == "cpu":  # the prefill stays eager on the CPU (docs/compile.md, "Eager prefill on CPU")
-        round_fn, options, build_seconds = cpu_backend.compile_round(round_fn, target, drafter, compile)
+        round_fn, options, build_seconds = cpu.compile_round(round_fn, target, drafter, compile)
         return round_fn, prefill_step, options, build_seconds
     mode = "reduce-overhead" if compile is True else compile  # CUDA graphs ("max-autotune" includes them)
     return (torch.compile(round_fn, dynamic=False, fullgraph=True, mode=mode),

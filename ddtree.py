@@ -14,7 +14,7 @@ Reading order: generate() -> Engine (its masks and compiled steps) -> Engine.ste
 its one host read) -> Engine._round (five stages, each one call into the file that owns it: drafter.py,
 draft_tree.py + tree_attn.py, model.py, sampler.py, tree_attn.py) -> the prefill. Around it, one concern per
 file: batch.py (the decoding loop, shrinking batches), budget.py (budget auto), settings.py (Speculation, argument
-checks), cli.py (the command line), compiling.py (torch.compile, CUDA graphs), cpu_backend.py (CPU-only speed),
+checks), cli.py (the command line), compiling.py (torch.compile, CUDA graphs), cpu/ (CPU-only speed),
 gated_delta.py (recurrent layers, docs/recurrent_tree.md).
 docs/round.md walks through one round with a picture of its tree and mask.
 """
@@ -32,7 +32,7 @@ if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 qui
 import torch  # noqa: E402
 
 import compiling
-import cpu_backend
+import cpu
 from batch import Result, run_waves
 from budget import AutoBudget, auto_budgets, auto_engine
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap
@@ -43,7 +43,7 @@ from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_
 from settings import Speculation, check_request, check_settings, verify_rows
 from tree_attn import PrefixMask, causal, compact_kv, round_up
 
-# Eager FlexAttention (eager engines on CUDA, cpu_backend.EAGER_CPU_ATTENTION = "flex") warns that it materializes
+# Eager FlexAttention (eager engines on CUDA, cpu.EAGER_CPU_ATTENTION = "flex") warns that it materializes
 # the scores: it does, by design of the eager path; --compile is the fused kernel.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -152,8 +152,8 @@ class Engine:
         # graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees.
         self.build_tree = build_tree if compile else build_tree_heap
         # Masks as FlexAttention BlockMasks, or materialized for SDPA where eager steps run on the CPU
-        # (cpu_backend.dense_masks); the CPU's prefill is eager even in a compiled engine.
-        dense_prefill = cpu_backend.dense_masks(self.device.type)
+        # (cpu.dense_masks); the CPU's prefill is eager even in a compiled engine.
+        dense_prefill = cpu.dense_masks(self.device.type)
         dense = dense_prefill and not compile
         target.setup_cache(max_seq_len, batch)
         chunk = prefill_chunk(self.device.type)

@@ -130,7 +130,7 @@ def apply_rope(x, cos, sin):
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias (on a compiled CPU engine, cpu_backend.CpuLinear takes its place)."""
+    """nn.Linear without bias (on a compiled CPU engine, cpu.CpuLinear takes its place)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
@@ -215,7 +215,7 @@ class Attention(nn.Module):
 
     def attend(self, q, mask, scale):
         """q [N, H, Q, D] over this layer's caches under `mask`, as [N, Q, H * D]: the one attention seam (on a
-        compiled CPU engine, cpu_backend.CpuAttention runs its kernel here where it applies)."""
+        compiled CPU engine, cpu.CpuAttention runs its kernel here where it applies)."""
         n, q_len, gqa = q.shape[0], q.shape[2], self.heads != self.kv_heads
         if isinstance(mask, torch.Tensor):  # materialized over the KV slots it covers (PrefixMask(dense=True)); a
             kv = mask.shape[-1]  # call of fewer rows than it was made for (an eager prefill chunk) takes its first rows

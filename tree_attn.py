@@ -17,7 +17,7 @@ row, no mask_mod evaluated), the one or two after it are masked, the rest are no
 with dense=True (the engine's choice for eager CPU runs) hands its attention the same mask_mod evaluated densely,
 for SDPA, instead of the BlockMask.
 
-In compiled CPU engines, attention under such a mask runs our own kernel instead (cpu_backend.py, which a GPU
+In compiled CPU engines, attention under such a mask runs our own kernel instead (cpu/, which a GPU
 reader can skip); it reads `prefix` and `allow` directly.
 """
 

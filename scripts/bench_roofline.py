@@ -16,7 +16,7 @@ bandwidth, FLOPs / peak); the table prints the measured time, the floor and thei
   compaction (moving the accepted rows' K/V), context (the drafter's K/V of the committed tokens);
 - few-row linears alone, at the pair's weight shapes: F.linear (what aten runs: MKL's sgemm for fp32), oneDNN
   with the weight prepacked (torch.ops.mkldnn), and the one-row multiply-reduce the engine compiles
-  (cpu_backend.CPU_ONE_ROW_REDUCTION): what a faster few-row path could reach.
+  (cpu.CPU_ONE_ROW_REDUCTION): what a faster few-row path could reach.
 
 The pair is the bundled one unless --target / --draft name another, or --size HxL asks for the benchmarks' random
 pair of hidden size H and L layers (benchlib.save_random_pair, written to a temporary folder): the larger the pair,

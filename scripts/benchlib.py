@@ -21,7 +21,7 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
 from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
                          save_checkpoint, stdlib_files, write_json_file)
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
-from cpu_backend import AUTOTUNE_OPTIONS, compile_frozen  # noqa: E402
+from cpu import AUTOTUNE_OPTIONS, compile_frozen  # noqa: E402
 from compiling import call_compiled  # noqa: E402
 from batch import run_requests  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402

@@ -21,7 +21,7 @@ check is instead that every sample equals the AR greedy sequence (no control).
 
 Speed. Eager FlexAttention on a CPU costs ~9 ms per call whatever the size (its math path vmaps the mask_mod over
 [queries, all cache slots] through Python), so the engine's eager CPU runs hand their layers the same mask_mod
-materialized for SDPA instead (cpu_backend.EAGER_CPU_ATTENTION): that is `--attention dense`, the default, the engine as
+materialized for SDPA instead (cpu.EAGER_CPU_ATTENTION): that is `--attention dense`, the default, the engine as
 is. `--attention flex` makes them run eager FlexAttention, the real kernel, and `--attention kernel` our CPU
 attention kernel (the one compiled CPU engines run) on the same mask. tests/test_stat.py checks that all three
 give the engine the same tokens for the same seeds.
@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ddtree  # noqa: E402
-import cpu_backend  # noqa: E402
+import cpu  # noqa: E402
 from checkpoints import (dflash_config, hybrid_text_config, moe_config, qwen3_config,  # noqa: E402
                          random_dflash_weights, random_hybrid_model, random_qwen3_weights, save_checkpoint,
                          save_hybrid)
@@ -138,21 +138,21 @@ def load_pair(target_path: str, draft_path: str | None, device: str = "cpu"):
 @contextlib.contextmanager
 def attention(kind: str, *models):
     """kind 'dense': the engine as is (eager CPU engines materialize the mask for SDPA); 'flex': eager engines
-    hand their layers the BlockMask, and eager FlexAttention runs (cpu_backend.EAGER_CPU_ATTENTION); 'kernel': the same
-    BlockMask through the CPU attention kernel that compiled CPU engines run (cpu_backend.load_cpu_kernel), in
-    `models`' layers (given their CPU classes, cpu_backend.use_cpu_classes)."""
-    saved = cpu_backend.EAGER_CPU_ATTENTION, cpu_backend.USE_CPU_KERNEL
-    cpu_backend.EAGER_CPU_ATTENTION = "sdpa" if kind == "dense" else "flex"
-    cpu_backend.USE_CPU_KERNEL = kind == "kernel"
-    if kind == "kernel" and not cpu_backend.load_cpu_kernel():
+    hand their layers the BlockMask, and eager FlexAttention runs (cpu.EAGER_CPU_ATTENTION); 'kernel': the same
+    BlockMask through the CPU attention kernel that compiled CPU engines run (cpu.load_cpu_kernel), in
+    `models`' layers (given their CPU classes, cpu.use_cpu_classes)."""
+    saved = cpu.EAGER_CPU_ATTENTION, cpu.USE_CPU_KERNEL
+    cpu.EAGER_CPU_ATTENTION = "sdpa" if kind == "dense" else "flex"
+    cpu.USE_CPU_KERNEL = kind == "kernel"
+    if kind == "kernel" and not cpu.load_cpu_kernel():
         raise SystemExit("error: --attention kernel: the CPU attention kernel could not be built (see the warning)")
     if kind == "kernel":
-        cpu_backend.use_cpu_classes(*(m for m in models if m is not None))
+        cpu.use_cpu_classes(*(m for m in models if m is not None))
     ddtree._ENGINES.clear()  # engines fix their attention when they are made
     try:
         yield
     finally:
-        cpu_backend.EAGER_CPU_ATTENTION, cpu_backend.USE_CPU_KERNEL = saved
+        cpu.EAGER_CPU_ATTENTION, cpu.USE_CPU_KERNEL = saved
         ddtree._ENGINES.clear()
 
 
@@ -170,7 +170,7 @@ def last_logits(target: Qwen3, contexts: list[list[int]], batch: int = 64) -> to
         part = torch.tensor(contexts[first:first + batch], device=target.device)
         target.setup_cache(length, part.shape[0])
         target.reset_recurrent()  # a hybrid target's recurrent states start empty (a no-op for Qwen3)
-        mask = PrefixMask(n, length, target.device, dense=cpu_backend.EAGER_CPU_ATTENTION == "sdpa",
+        mask = PrefixMask(n, length, target.device, dense=cpu.EAGER_CPU_ATTENTION == "sdpa",
                           batch=part.shape[0])
         mask.allow.copy_(causal(n))
         pos = torch.arange(n, device=target.device).expand_as(part)

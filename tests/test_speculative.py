@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import compiling
-import cpu_backend
+import cpu
 from conftest import compiled_equals_eager, random_prompts
 from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter
@@ -146,7 +146,7 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
     kw = dict(method="ddtree", budget=3)
     compiled_equals_eager(lambda c, compile: greedy(target, drafters[5], c[0], max_new_tokens=c[1], compile=compile,
                                                     **kw), cases, "max-autotune")
-    # Its few-row matmuls ran on the linears' oneDNN copies (cpu_backend.prepack_linears), the drafter's included.
+    # Its few-row matmuls ran on the linears' oneDNN copies (cpu.prepack_linears), the drafter's included.
     linears = [m for model in (target, drafters[5]) for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
     _, tc = files
@@ -163,7 +163,7 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
                         calls.append((options, check_guards)) or call(fn, args, options, check_guards))
     res = greedy(other, drafters[5], cases[1][0], max_new_tokens=30, compile="max-autotune", **kw)
     assert res.tokens == eager
-    options = cpu_backend.AUTOTUNE_OPTIONS
+    options = cpu.AUTOTUNE_OPTIONS
     assert calls == [(options, True)] + [(options, False)] * (res.stats["rounds"] - 1)
 
 
@@ -174,22 +174,22 @@ def test_engine_decides_tree_builder_and_attention_once(models):
     call."""
     from draft_tree import build_tree, build_tree_heap
     target, drafters = models
-    cpu_backend.start_cpu_isa_probe.cache_clear()
+    cpu.start_cpu_isa_probe.cache_clear()
     for compile, builder, dense in ((False, build_tree_heap, True), (True, build_tree, False)):
         engine = Engine(target, drafters[5], "ddtree", Sampling(), Speculation(budget=4), 1024, compile)
         masks = (engine.decode_mask, engine.draft_mask, engine.verify_mask)
         assert engine.build_tree is builder and all(m.dense == dense for m in masks)
         assert isinstance(engine.verify_mask.set(3), torch.Tensor) == dense
         assert engine.prefill_mask.dense and engine.prefill_step == engine._prefill_step
-        assert cpu_backend.start_cpu_isa_probe.cache_info().currsize == int(bool(compile))  # started by compiled engines
-    # compiled CPU engines load the attention kernel, and their float32 rounds run it (cpu_backend.cpu_kernel_applies)
-    assert cpu_backend.cpu_kernel_loaded
+        assert cpu.start_cpu_isa_probe.cache_info().currsize == int(bool(compile))  # started by compiled engines
+    # compiled CPU engines load the attention kernel, and their float32 rounds run it (cpu.cpu_kernel_applies)
+    assert cpu.cpu_kernel_loaded
     q = torch.zeros(1, 4, 5, target.config.head_dim)
-    assert cpu_backend.cpu_kernel_applies(q, target.layers[0].self_attn.k_cache, engine.verify_mask.block_mask)
-    # ... through the CPU classes that compiled CPU engines give their models' layers (cpu_backend.prepare)
+    assert cpu.cpu_kernel_applies(q, target.layers[0].self_attn.k_cache, engine.verify_mask.block_mask)
+    # ... through the CPU classes that compiled CPU engines give their models' layers (cpu.prepare)
     for model in (target, drafters[5]):
-        assert {type(m) for m in model.modules() if isinstance(m, (Attention, Linear))} == {cpu_backend.CpuAttention,
-                                                                                             cpu_backend.CpuLinear}
+        assert {type(m) for m in model.modules() if isinstance(m, (Attention, Linear))} == {cpu.CpuAttention,
+                                                                                             cpu.CpuLinear}
 
 
 def test_compiled_sampling_equals_eager_without_recompiles(models):

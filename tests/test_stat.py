@@ -6,7 +6,7 @@ p = 1e-6), and a planted bug in the verification (scripts/stat_test.py's control
 on the same seeds, so the test demonstrably has the power to see a wrong law. Drafts must be accepted often
 enough for the verification rule to matter. Greedy runs must reproduce AR greedy exactly.
 
-Sampling runs the engine's eager CPU attention (the mask materialized for SDPA, cpu_backend.EAGER_CPU_ATTENTION);
+Sampling runs the engine's eager CPU attention (the mask materialized for SDPA, cpu.EAGER_CPU_ATTENTION);
 test_dense_attention_matches_flex_and_the_kernel checks that it gives the engine the same tokens as eager
 FlexAttention and as the CPU attention kernel of compiled engines. Seeds are
 fixed, so every p-value here is deterministic on a given build.
@@ -77,13 +77,13 @@ def test_dense_attention_matches_flex_and_the_kernel(pair, monkeypatch):
     """The engine's dense eager path gives the same tokens as eager flex_attention and as the CPU kernel, over
     several rounds (and each kind really runs: FlexAttention is called under 'flex' only, the kernel under 'kernel'
     only)."""
-    import cpu_backend
+    import cpu
     import model
     target, drafter = pair
     calls = {"flex": [], "kernel": []}
-    flex, kernel = model.flex_attention, cpu_backend.cpu_attention
+    flex, kernel = model.flex_attention, cpu.cpu_attention
     monkeypatch.setattr(model, "flex_attention", lambda *a, **k: calls["flex"].append(1) or flex(*a, **k))
-    monkeypatch.setattr(cpu_backend, "cpu_attention", lambda *a, **k: calls["kernel"].append(1) or kernel(*a, **k))
+    monkeypatch.setattr(cpu, "cpu_attention", lambda *a, **k: calls["kernel"].append(1) or kernel(*a, **k))
     for kw in (dict(method="ddtree", budget=5), dict(method="dflash", draft_sampling=True), dict(method="ar")):
         runs = {}
         for kind in ("flex", "dense", "kernel"):

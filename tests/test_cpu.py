@@ -1,4 +1,4 @@
-"""The CPU seam (cpu_backend.py). The attention kernel (cpu_attention.cpp) against SDPA with the mask written out by
+"""The CPU seam (cpu/). The attention kernel (cpu/attention.cpp) against SDPA with the mask written out by
 hand: shapes, per-request prefixes and trees, rows that see little or nothing, NaNs; inside a compiled graph
 without recompiles; as the attention CpuAttention runs; and the fallback to FlexAttention where it cannot be built.
 CpuLinear's one-row reduction and its oneDNN copies in frozen graphs."""
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import model
-import cpu_backend
+import cpu
 from draft_tree import ancestor_matrix, build_tree
-from cpu_backend import cpu_attention, load_cpu_kernel
+from cpu import cpu_attention, load_cpu_kernel
 from tree_attn import PrefixMask
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,8 +60,8 @@ def case(n, kv_heads, group, head_dim, q_len, slots, seed, dtype=torch.float32):
 
 @settings(deadline=None, max_examples=40)
 @given(n=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
-       head_dim=st.sampled_from(cpu_backend.KERNEL_HEAD_DIMS), q_len=st.integers(1, 20), blocks=st.integers(1, 3),
-       kind=st.sampled_from(["tree", "causal", "block"]), dtype=st.sampled_from(cpu_backend.KERNEL_DTYPES),
+       head_dim=st.sampled_from(cpu.KERNEL_HEAD_DIMS), q_len=st.integers(1, 20), blocks=st.integers(1, 3),
+       kind=st.sampled_from(["tree", "causal", "block"]), dtype=st.sampled_from(cpu.KERNEL_DTYPES),
        seed=st.integers(0, 10**6), data=st.data())
 def test_kernel_equals_sdpa_with_the_explicit_mask(n, kv_heads, group, head_dim, q_len, blocks, kind, dtype, seed,
                                                    data):
@@ -128,9 +128,9 @@ def test_compiled_kernel_follows_the_mask_without_recompiles():
     assert not counters["recompiles"] and not counters["graph_break"]
 
 
-@pytest.mark.parametrize("dtype", cpu_backend.KERNEL_DTYPES)
+@pytest.mark.parametrize("dtype", cpu.KERNEL_DTYPES)
 def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
-    attn = cpu_backend.CpuAttention(64, 4, 2, 64, 1e-6).to(dtype)
+    attn = cpu.CpuAttention(64, 4, 2, 64, 1e-6).to(dtype)
     model.allocate_kv_caches([SimpleNamespace(self_attn=attn)], 256, dtype, "cpu")
     x = torch.randn(1, 5, 64, dtype=dtype)
     cos, sin = (t[:, None] for t in model.rope_cos_sin(torch.arange(40, 45)[None], model.rope_inv_freq(64, 1e6, None),
@@ -139,25 +139,25 @@ def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
     block_mask = mask.set(40, torch.ones(5, 5, dtype=torch.bool).tril())
     attn.k_cache.normal_(), attn.v_cache.normal_()
     calls = []
-    monkeypatch.setattr(cpu_backend, "cpu_attention", lambda *a: calls.append(1) or cpu_attention(*a))
+    monkeypatch.setattr(cpu, "cpu_attention", lambda *a: calls.append(1) or cpu_attention(*a))
     with torch.inference_mode():
         ours = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
-        monkeypatch.setattr(cpu_backend, "USE_CPU_KERNEL", False)
+        monkeypatch.setattr(cpu, "USE_CPU_KERNEL", False)
         flex = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
     assert calls == [1] and ours.dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: the two round at different steps
     torch.testing.assert_close(ours, flex, atol=tol, rtol=tol)
     # float64 is not the kernel's: FlexAttention
-    monkeypatch.setattr(cpu_backend, "USE_CPU_KERNEL", True)
-    assert not cpu_backend.cpu_kernel_applies(torch.zeros(1, 4, 5, 64, dtype=torch.float64), attn.k_cache, block_mask)
+    monkeypatch.setattr(cpu, "USE_CPU_KERNEL", True)
+    assert not cpu.cpu_kernel_applies(torch.zeros(1, 4, 5, 64, dtype=torch.float64), attn.k_cache, block_mask)
 
 
 def test_a_kernel_that_cannot_be_built_warns_once_and_flex_runs(tmp_path):
-    code = ("import warnings, cpu_backend\n"
+    code = ("import warnings, cpu\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
-            "    ok = cpu_backend.load_cpu_kernel(); cpu_backend.load_cpu_kernel()\n"
-            "print(ok, cpu_backend.cpu_kernel_loaded, len(w), 'could not be built' in str(w[0].message))\n")
+            "    ok = cpu.load_cpu_kernel(); cpu.load_cpu_kernel()\n"
+            "print(ok, cpu.cpu_kernel_loaded, len(w), 'could not be built' in str(w[0].message))\n")
     env = dict(os.environ, CXX="false", TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
@@ -170,7 +170,7 @@ def test_linear_one_row_fast_path_is_taken_and_matches_matmul():
     from torch._inductor.utils import run_and_get_code
     torch.manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        lin = cpu_backend.CpuLinear(96, 300).to(dtype)
+        lin = cpu.CpuLinear(96, 300).to(dtype)
         compiled = torch.compile(lin, dynamic=False, fullgraph=True)
         for rows, uses_matmul in ((1, False), (3, True)):
             x = torch.randn(rows, 96, dtype=dtype)
@@ -190,10 +190,10 @@ def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
     on this CPU, bf16 (elsewhere a bf16 Linear gets no copy and frozen graphs keep their own matmul)."""
     from torch._inductor.utils import run_and_get_code
     torch.manual_seed(0)
-    assert torch.float32 in cpu_backend.prepack_dtypes()  # fp32 weights are packed on every CPU
-    if torch.bfloat16 not in cpu_backend.prepack_dtypes():
-        lin = cpu_backend.CpuLinear(96, 300).to(torch.bfloat16)
-        cpu_backend.prepack_linears(lin)
+    assert torch.float32 in cpu.prepack_dtypes()  # fp32 weights are packed on every CPU
+    if torch.bfloat16 not in cpu.prepack_dtypes():
+        lin = cpu.CpuLinear(96, 300).to(torch.bfloat16)
+        cpu.prepack_linears(lin)
         assert lin.packed is None
         x = torch.randn(3, 96, dtype=torch.bfloat16)
         compiled = torch.compile(lambda t: lin(t), dynamic=False, fullgraph=True)
@@ -204,12 +204,12 @@ def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
                               atol=2e-2)
         torch._dynamo.reset()
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        if dtype not in cpu_backend.prepack_dtypes():
+        if dtype not in cpu.prepack_dtypes():
             continue
-        lin = cpu_backend.CpuLinear(96, 300).to(dtype)
-        cpu_backend.prepack_linears(torch.nn.Sequential(lin))
+        lin = cpu.CpuLinear(96, 300).to(dtype)
+        cpu.prepack_linears(torch.nn.Sequential(lin))
         packed = lin.packed
-        cpu_backend.prepack_linears(lin)
+        cpu.prepack_linears(lin)
         assert lin.packed is packed
         for freezing, rows, onednn in ((True, 3, True), (True, 1, False), (False, 3, False)):
             x = torch.randn(rows, 2, 96, dtype=dtype)[:, 0]  # strided rows: the packed path reshapes them
@@ -223,13 +223,13 @@ def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
             torch._dynamo.reset()
         with torch.no_grad():
             lin.weight.mul_(2)
-        cpu_backend.prepack_linears(lin)
+        cpu.prepack_linears(lin)
         x = torch.randn(4, 96, dtype=dtype)
         out = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
         assert lin.packed is not packed
         assert torch.allclose(out.float(), torch.nn.functional.linear(x, lin.weight.detach()).float(), rtol=tol,
                               atol=tol)
     with torch.inference_mode():  # weights made in inference mode have no version counter: packed all the same
-        lin = cpu_backend.CpuLinear(8, 4)
-        cpu_backend.prepack_linears(lin)
+        lin = cpu.CpuLinear(8, 4)
+        cpu.prepack_linears(lin)
     assert lin.packed is not None

@@ -3,7 +3,7 @@ A reader of the round can skip this file. A compiled engine built on a CPU makes
 gives the models' linears and attention layers their CPU classes (CpuLinear, CpuAttention; `prepare`) and compiles
 the round (frozen and autotuned for compile="max-autotune": `compile_frozen`).
 
-- The attention kernel (cpu_attention.cpp): a round's few query rows under a PrefixMask, several times faster than
+- The attention kernel (cpu/attention.cpp): a round's few query rows under a PrefixMask, several times faster than
   FlexAttention's CPU template at these sizes (docs/compile.md, "CPU attention kernel").
 - Frozen max-autotune graphs with oneDNN copies of the weights (docs/compile.md, "Few-row matmuls on CPU").
 - One-row matmuls of compiled graphs as a fused multiply-and-sum (docs/compile.md, "one-row Linear on CPU").
@@ -172,8 +172,8 @@ def prepack_linears(module: nn.Module):
             m.packed, m.packed_from = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), source
 
 
-KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
-KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes cpu_attention.cpp is instantiated for
+KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.cpp")
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes cpu/attention.cpp is instantiated for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the element types it is instantiated for
 USE_CPU_KERNEL = True  # False: CPU attention under PrefixMasks stays FlexAttention (read while tracing)
 cpu_kernel_loaded = False  # set by load_cpu_kernel; read while tracing, so each graph is built for one or the other
@@ -181,7 +181,7 @@ cpu_kernel_loaded = False  # set by load_cpu_kernel; read while tracing, so each
 
 @functools.cache
 def load_cpu_kernel() -> bool:
-    """Build cpu_attention.cpp (once per machine: about 8 s, kept in inductor's cache directory) and load it, which
+    """Build cpu/attention.cpp (once per machine: about 8 s, kept in inductor's cache directory) and load it, which
     registers torch.ops.ddtree.tree_attention; returns whether it is loaded. Each CPU engine calls it once, before
     its graphs are traced; from then on CpuAttention runs the kernel wherever it applies (cpu_kernel_applies).
     Where it cannot be built or loaded: one warning, and CPU engines run FlexAttention."""
@@ -198,7 +198,7 @@ def load_cpu_kernel() -> bool:
 
 
 def build_cpu_kernel() -> str:
-    """The shared library of cpu_attention.cpp, compiled if this source, torch and CPU have none yet."""
+    """The shared library of cpu/attention.cpp, compiled if this source, torch and CPU have none yet."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     torch_dir = os.path.dirname(torch.__file__)
     include, lib = os.path.join(torch_dir, "include"), os.path.join(torch_dir, "lib")
