@@ -40,6 +40,7 @@ Controls (`--control`; `auto` picks by method):
 
 import argparse
 import contextlib
+import itertools
 import math
 import os
 import sys
@@ -368,6 +369,29 @@ def auto_control(method: str, draft_sampling: bool) -> str:
     return "own_row"
 
 
+# --budget auto in a statistical run: the candidates take the rounds in this fixed cycle (trees of AUTO_CYCLE_BUDGETS
+# nodes), 7 rounds long so that each batch of samples starts elsewhere in it.
+AUTO_CYCLE_BUDGETS = (2, 5)
+AUTO_CYCLE = (5, "chain", 2, "ar", 5, 2, "chain")
+
+
+@contextlib.contextmanager
+def switching_auto():
+    """Budget auto with its choice made by a fixed cycle over its candidates (plain decoding, the chain, trees of 2
+    and 5 nodes) instead of by measured speed, so that samples see every kind of switch mid-request. A cycle, like
+    the measured choice, depends on the past only (docs/budget.md); by measurement, a small random pair on a CPU
+    runs plain decoding alone, and its samples would test no speculative round at all."""
+    import budget
+    from budget import AutoBudget
+    cycle = itertools.cycle(AUTO_CYCLE)
+    saved = budget.AUTO_BUDGETS, AutoBudget.choose
+    budget.AUTO_BUDGETS, AutoBudget.choose = AUTO_CYCLE_BUDGETS, lambda self: (next(cycle), False)
+    try:
+        yield
+    finally:
+        budget.AUTO_BUDGETS, AutoBudget.choose = saved
+
+
 @contextlib.contextmanager
 def planted(control: str, method: str, draft_sampling: bool):
     """Monkeypatch the engine with a planted bug (restored on exit). Engines are cached per settings and look
@@ -428,8 +452,9 @@ def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: st
         runs = [("real", "none", samples)]
         if control != "none":
             runs.append(("control", control, control_samples or samples))
+        auto = method == "ddtree" and budget == "auto"
         for name, ctl, N in runs:
-            with planted(ctl, method, draft_sampling):
+            with planted(ctl, method, draft_sampling), switching_auto() if auto else contextlib.nullcontext():
                 samples_drawn, st = draw_samples(target, drafter, prompt, n, N, seed0=seed * 1_000_003, batch=batch,
                                                  **kw)
             counts = law.counts(samples_drawn)
@@ -452,7 +477,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ddtree")
     p.add_argument("--budget", type=lambda v: v if v == "auto" else int(v), default=5,
-                   help="tree nodes, or auto (the candidates' rounds switch as budget auto chooses)")
+                   help="tree nodes, or auto (budget auto, its candidates taking the rounds in a fixed cycle: "
+                        "switching_auto)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -529,9 +555,6 @@ def main(argv=None) -> int:
                                      moe=a.moe, hybrid=a.hybrid)
             target_path, draft_path = target_path or t, draft_path or d
         target, drafter = load_pair(target_path, draft_path if a.method != "ar" else None, a.device)
-        if target.recurrent and a.method == "ddtree" and a.budget == "auto":
-            raise SystemExit("error: --budget auto is not supported for a target with recurrent layers (a hybrid): "
-                             "give a number")
         V = target.config.vocab_size
         if a.text is not None:
             from text import Text

@@ -19,14 +19,13 @@ import sys
 import numpy as np
 import pytest
 
-import budget
 import ddtree
 import sampler
 from ddtree import generate
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import stat_test as st  # noqa: E402
-from settings import grouped
+from settings import grouped  # noqa: E402
 
 PICK = ddtree.Engine.pick
 
@@ -183,17 +182,14 @@ def test_a_real_sized_vocabulary_through_its_support(tmp_path):
     assert out["real"]["ok"] and out["control"]["ok"], (out["real"]["p"], out["control"]["p"])
 
 
-def test_budget_auto_switching_mid_request_follows_the_target_law(pair, law, monkeypatch):
+def test_budget_auto_switching_mid_request_follows_the_target_law(pair, law):
     """budget auto, its candidates (plain decoding, the chain, trees of 2 and 5) switched round by round in a
-    cycle that carries on across batches, so samples see every kind of switch mid-request: the law holds, and the
-    own_row control (tree rounds drawing the target's choice at the child's row) is rejected."""
-    from budget import AutoBudget
+    cycle that carries on across batches (stat_test.switching_auto), so samples see every kind of switch
+    mid-request: the law holds, and the own_row control (tree rounds drawing the target's choice at the child's row)
+    is rejected."""
     target, drafter = pair
-    monkeypatch.setattr(budget, "AUTO_BUDGETS", (2, 5))
-    cycle = itertools.cycle([5, "chain", 2, "ar", 5, 2, "chain"])  # 7 rounds: each batch starts elsewhere
-    monkeypatch.setattr(AutoBudget, "choose", lambda self: (next(cycle), False))
     kw = dict(method="ddtree", budget="auto")
-    with st.attention("dense"):
+    with st.attention("dense"), st.switching_auto():
         drawn, stats = st.draw_samples(target, drafter, PROMPT, N_TOKENS, 1000, seed0=0, batch=16, **kw, **WARP)
         p, cells, outside, tv = st.chi_square(law.counts(drawn), law.probs)
         assert stats["drafts_per_round"] > MIN_DRAFTS_PER_ROUND / 2, stats  # ar rounds draft nothing
