@@ -26,10 +26,8 @@ parameters.
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
