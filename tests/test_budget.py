@@ -1,6 +1,6 @@
 """budget="auto" (budget.py): lossless whichever candidate runs each round, its estimates and report, the
-calibration and its cache on disk, bad input, and the compiled engine (no graph after warm-up, one host read per
-round)."""
+calibration and its cache on disk, bad input, the compiled engine (no graph after warm-up, one host read per
+round), and the tally: what smaller budgets and the chain would have accepted, read off one verified tree."""
 
 import itertools
 import json
@@ -8,13 +8,16 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import budget
 import ddtree
-from budget import AutoBudget
+from budget import AutoBudget, accepted_within, chain_accepted
 from conftest import assert_one_error_line, cli, compiled_equals_eager, load_pair
 from ddtree import generate, generate_batch
+from draft_tree import build_tree
 from test_batch import STOP, ragged_prompts, write_pair
+from test_draft_tree import SETTINGS, batches_with_budget
 
 GRID = (2, 6, 12)  # tree sizes for the tiny pair (block 5: 4 draft positions)
 
@@ -269,3 +272,65 @@ def test_compiled_auto_equals_eager_without_new_graphs(tmp_path, monkeypatch, on
                                                                   compile=compile), cases)
     assert not any(r.stats["auto"]["calibrated_now"] for r in runs)
     assert {c for r in runs for c in r.stats["auto"]["schedule"]} == {"ar", "6"}
+
+
+# ---- what smaller budgets and the chain would have accepted, read off one verified tree (budget.tally) --------
+
+
+@SETTINGS
+@given(batches_with_budget(max_len=4, max_vocab=3), st.integers(0, 10**6))
+def test_accepted_within_equals_walking_each_smaller_tree(case, seed):
+    """One walk down the tree of budget B tells what the tree of every B' <= B accepts: the trees are nested (the
+    smaller one is the bigger one's first B' nodes), and the target's choice at a row is the same node's choice in
+    both. Checked against a separate walk down each separately built smaller tree."""
+    from sampler import walk_tree
+    logq, budget = case
+    N, L, V = logq.shape
+    g = torch.Generator().manual_seed(seed)
+    # The target's choice at each row of the big tree; a choice often equal to a child's token, so paths are long.
+    choices = torch.randint(0, V, (N, budget + 1), generator=g)
+    tokens, parents, _ = build_tree(logq, budget)
+    path, length, _ = walk_tree(parents, tokens, choices, L)
+    smaller = list(range(1, budget + 1))
+    within = accepted_within(path, length, smaller)
+    for j, b in enumerate(smaller):
+        t, p, _ = build_tree(logq, b)
+        assert torch.equal(t, tokens[:, :b]) and torch.equal(p, parents[:, :b])  # nested
+        _, small_length, _ = walk_tree(p, t, choices[:, :b + 1], L)
+        assert torch.equal(within[:, j], small_length - 1), (b, within[:, j], small_length)
+
+
+@SETTINGS
+@given(batches_with_budget(max_len=4, max_vocab=3), st.integers(0, 10**6))
+def test_chain_accepted_read_off_the_tree_equals_walking_the_chain(case, seed):
+    """What the DFlash chain (the drafter's argmax at each depth) would have accepted, read off one verified tree,
+    equals walking the chain itself against the same target, whenever the tree holds the chain's nodes as deep
+    as the chain's walk looks (its accepted drafts and the one it rejects); where the tree's copy of the chain ends
+    first (after d of its nodes) and the chain's walk goes past it, d + 1, a lower bound. The target here is a
+    fixed function of the prefix, so the tree and the chain see the same choices."""
+    from sampler import walk_tree
+    logq, budget = case
+    N, L, V = logq.shape
+    salt = torch.randint(0, 2**31, (1,), generator=torch.Generator().manual_seed(seed)).item()
+
+    def choice(prefix):  # the target's token after the bonus and `prefix`: agrees with the argmax often
+        return hash((salt,) + tuple(prefix)) % (V + 1) % V
+
+    tokens, parents, _ = build_tree(logq, budget)
+    chain = logq.argmax(-1)
+    prefixes = [[() for _ in range(budget + 1)] for _ in range(N)]  # the token prefix of each row
+    for n in range(N):
+        for i in range(budget):
+            if parents[n, i] >= 0:
+                prefixes[n][i + 1] = prefixes[n][int(parents[n, i])] + (int(tokens[n, i]),)
+    choices = torch.tensor([[choice(p) for p in rows] for rows in prefixes])
+    path, length, next_token = walk_tree(parents, tokens, choices, L)
+    got = chain_accepted(chain, tokens, path, length, next_token)
+    for n in range(N):
+        spine = [tuple(chain[n, :d].tolist()) for d in range(1, L + 1)]
+        walked = 0
+        while walked < L and int(chain[n, walked]) == choice(spine[walked][:-1]):
+            walked += 1
+        in_tree = set(prefixes[n])
+        d_in = next((d for d in range(L) if spine[d] not in in_tree), L)  # the chain's nodes the tree holds
+        assert int(got[n]) == min(walked, d_in + 1), (n, got[n], walked, d_in)

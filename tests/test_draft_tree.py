@@ -13,7 +13,6 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from budget import accepted_within, chain_accepted
 from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, format_tree, order_key,
                         pairs_within, topk_per_depth)
 
@@ -358,65 +357,6 @@ def test_format_tree():
         "└── t7  0.125  ·",
     ])
     assert format_tree(tokens, parents).splitlines()[1:] == ["├── 5", "│   └── 6", "└── 7"]
-
-
-@SETTINGS
-@given(batches_with_budget(max_len=4, max_vocab=3), st.integers(0, 10**6))
-def test_accepted_within_equals_walking_each_smaller_tree(case, seed):
-    """One walk down the tree of budget B tells what the tree of every B' <= B accepts: the trees are nested (the
-    smaller one is the bigger one's first B' nodes), and the target's choice at a row is the same node's choice in
-    both. Checked against a separate walk down each separately built smaller tree."""
-    from sampler import walk_tree
-    logq, budget = case
-    N, L, V = logq.shape
-    g = torch.Generator().manual_seed(seed)
-    # The target's choice at each row of the big tree; a choice often equal to a child's token, so paths are long.
-    choices = torch.randint(0, V, (N, budget + 1), generator=g)
-    tokens, parents, _ = build_tree(logq, budget)
-    path, length, _ = walk_tree(parents, tokens, choices, L)
-    smaller = list(range(1, budget + 1))
-    within = accepted_within(path, length, smaller)
-    for j, b in enumerate(smaller):
-        t, p, _ = build_tree(logq, b)
-        assert torch.equal(t, tokens[:, :b]) and torch.equal(p, parents[:, :b])  # nested
-        _, small_length, _ = walk_tree(p, t, choices[:, :b + 1], L)
-        assert torch.equal(within[:, j], small_length - 1), (b, within[:, j], small_length)
-
-
-@SETTINGS
-@given(batches_with_budget(max_len=4, max_vocab=3), st.integers(0, 10**6))
-def test_chain_accepted_read_off_the_tree_equals_walking_the_chain(case, seed):
-    """What the DFlash chain (the drafter's argmax at each depth) would have accepted, read off one verified tree,
-    equals walking the chain itself against the same target, whenever the tree holds the chain's nodes as deep
-    as the chain's walk looks (its accepted drafts and the one it rejects); where the tree's copy of the chain ends
-    first (after d of its nodes) and the chain's walk goes past it, d + 1, a lower bound. The target here is a
-    fixed function of the prefix, so the tree and the chain see the same choices."""
-    from sampler import walk_tree
-    logq, budget = case
-    N, L, V = logq.shape
-    salt = torch.randint(0, 2**31, (1,), generator=torch.Generator().manual_seed(seed)).item()
-
-    def choice(prefix):  # the target's token after the bonus and `prefix`: agrees with the argmax often
-        return hash((salt,) + tuple(prefix)) % (V + 1) % V
-
-    tokens, parents, _ = build_tree(logq, budget)
-    chain = logq.argmax(-1)
-    prefixes = [[() for _ in range(budget + 1)] for _ in range(N)]  # the token prefix of each row
-    for n in range(N):
-        for i in range(budget):
-            if parents[n, i] >= 0:
-                prefixes[n][i + 1] = prefixes[n][int(parents[n, i])] + (int(tokens[n, i]),)
-    choices = torch.tensor([[choice(p) for p in rows] for rows in prefixes])
-    path, length, next_token = walk_tree(parents, tokens, choices, L)
-    got = chain_accepted(chain, tokens, path, length, next_token)
-    for n in range(N):
-        spine = [tuple(chain[n, :d].tolist()) for d in range(1, L + 1)]
-        walked = 0
-        while walked < L and int(chain[n, walked]) == choice(spine[walked][:-1]):
-            walked += 1
-        in_tree = set(prefixes[n])
-        d_in = next((d for d in range(L) if spine[d] not in in_tree), L)  # the chain's nodes the tree holds
-        assert int(got[n]) == min(walked, d_in + 1), (n, got[n], walked, d_in)
 
 
 def test_order_key_tie_half_fits_int32():
