@@ -12,15 +12,15 @@ import contextlib
 import copy
 import json
 import os
-import shutil
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import draft_tree
 from conftest import written_once
+from test_model import copy_checkpoint, raises, rewrite_config, rewrite_weights
 from gated_delta import Recurrent
 from model import Qwen3
 from tree_attn import PrefixMask, causal, compact_kv
@@ -56,16 +56,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def fuse_experts(path):
     """Per-expert tensors -> one experts.gate_up_proj (gate rows first) and experts.down_proj per layer."""
-    file = os.path.join(path, "model.safetensors")
-    w = dict(load_file(file))
-    prefixes = {k.split(".experts.")[0] for k in w if ".experts." in k}
-    for p in prefixes:
-        E = len({k for k in w if k.startswith(p + ".experts.") and k.endswith("down_proj.weight")})
-        gate = torch.stack([w.pop(f"{p}.experts.{e}.gate_proj.weight") for e in range(E)])
-        up = torch.stack([w.pop(f"{p}.experts.{e}.up_proj.weight") for e in range(E)])
-        w[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up], 1)
-        w[f"{p}.experts.down_proj"] = torch.stack([w.pop(f"{p}.experts.{e}.down_proj.weight") for e in range(E)])
-    save_file({k: v.contiguous() for k, v in w.items()}, file, metadata={"format": "pt"})
+    prefixes = set()
+
+    def fuse(w):
+        prefixes.update(k.split(".experts.")[0] for k in w if ".experts." in k)
+        for p in prefixes:
+            E = len({k for k in w if k.startswith(p + ".experts.") and k.endswith("down_proj.weight")})
+            gate = torch.stack([w.pop(f"{p}.experts.{e}.gate_proj.weight") for e in range(E)])
+            up = torch.stack([w.pop(f"{p}.experts.{e}.up_proj.weight") for e in range(E)])
+            w[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up], 1)
+            w[f"{p}.experts.down_proj"] = torch.stack([w.pop(f"{p}.experts.{e}.down_proj.weight")
+                                                       for e in range(E)])
+
+    rewrite_weights(path, fuse)
     return prefixes
 
 
@@ -81,12 +84,11 @@ def write_variant(name, path, seed):
     if how == "shard":
         assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) >= 3
     if how == "interval":  # the file says full_attention_interval only; transformers derives layer_types
-        with open(os.path.join(path, "config.json")) as f:
-            c = json.load(f)
-        assert c.pop("layer_types") == ["linear_attention", "full_attention"] * 2
-        c["full_attention_interval"] = interval
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(c, f)
+        def to_interval(c):
+            assert c.pop("layer_types") == ["linear_attention", "full_attention"] * 2
+            c["full_attention_interval"] = interval
+
+        rewrite_config(path, to_interval)
     if how == "fuse":
         assert fuse_experts(path)
     if layout == "conditional_generation":
@@ -340,56 +342,28 @@ def test_recurrent_states_are_allocated_reused_and_reset(ckpt):
 
 @pytest.fixture
 def broken(ckpt, tmp_path):
-    src, _ = ckpt("dense_i4_mha")
-    dst = str(tmp_path / "ckpt")
-    shutil.copytree(src, dst)
-    return dst
-
-
-def edit_weights(path, fn):
-    file = os.path.join(path, "model.safetensors")
-    w = dict(load_file(file))
-    fn(w)
-    save_file({k: v.contiguous() for k, v in w.items()}, file, metadata={"format": "pt"})
-
-
-def edit_config(path, fn):
-    file = os.path.join(path, "config.json")
-    with open(file) as f:
-        c = json.load(f)
-    fn(c)
-    with open(file, "w") as f:
-        json.dump(c, f)
-
-
-def raises(path, *patterns):
-    with pytest.raises(ValueError) as e:
-        Qwen3.from_pretrained(path, device="cpu")
-    for p in patterns:
-        assert p in str(e.value), (p, str(e.value))
+    return copy_checkpoint(ckpt("dense_i4_mha")[0], tmp_path)
 
 
 def test_error_missing_linear_attn_projection(broken):
-    edit_weights(broken, lambda w: w.pop("model.layers.1.linear_attn.in_proj_a.weight"))
+    rewrite_weights(broken, lambda w: w.pop("model.layers.1.linear_attn.in_proj_a.weight"))
     raises(broken, "lacks 1 tensors", "layers.1.linear_attn.in_proj_a.weight")
 
 
 def test_error_unknown_layer_type(broken):
-    edit_config(broken, lambda c: c["layer_types"].__setitem__(0, "sliding_attention"))
+    rewrite_config(broken, lambda c: c["layer_types"].__setitem__(0, "sliding_attention"))
     raises(broken, "unknown layer type", "sliding_attention")
 
 
 def test_error_unexpected_tensor(broken):
-    edit_weights(broken, lambda w: w.update({"model.layers.0.linear_attn.conv1d.bias": torch.zeros(128)}))
+    rewrite_weights(broken, lambda w: w.update({"model.layers.0.linear_attn.conv1d.bias": torch.zeros(128)}))
     raises(broken, "unexpected tensor", "conv1d.bias")
 
 
 def test_error_visual_tensors_outside_a_hybrid_are_unexpected(ckpt, tmp_path):
     """model.visual.* and mtp.* are skipped by name for Qwen3.5 only; anything else under the text model is not."""
-    src, _ = ckpt("conditional")
-    dst = str(tmp_path / "c")
-    shutil.copytree(src, dst)
-    edit_weights(dst, lambda w: w.update({"model.language_model.layers.0.linear_attn.extra": torch.zeros(2)}))
+    dst = copy_checkpoint(ckpt("conditional")[0], tmp_path, "c")
+    rewrite_weights(dst, lambda w: w.update({"model.language_model.layers.0.linear_attn.extra": torch.zeros(2)}))
     raises(dst, "unexpected tensor", "model.language_model.layers.0.linear_attn.extra")
 
 
@@ -402,7 +376,7 @@ def test_error_visual_tensors_outside_a_hybrid_are_unexpected(ckpt, tmp_path):
     (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
 ])
 def test_config_fields_that_change_the_math_are_refused(broken, edit, message):
-    edit_config(broken, edit)
+    rewrite_config(broken, edit)
     raises(broken, message)
 
 
@@ -410,9 +384,9 @@ def test_qwen3_still_refuses_layer_types_and_partial_rope(broken):
     """layer_types / partial_rotary_factor are Qwen3.5's: a qwen3 file that sets them is refused as before."""
     def as_qwen3(c):
         c.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
-    edit_config(broken, as_qwen3)
+    rewrite_config(broken, as_qwen3)
     raises(broken, "layer_types other than full_attention")
-    edit_config(broken, lambda c: c.pop("layer_types"))
+    rewrite_config(broken, lambda c: c.pop("layer_types"))
     raises(broken, "partial_rotary_factor=0.25 is not supported")
 
 

@@ -394,13 +394,17 @@ def test_bf16_load(ckpt):
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
 
 
+def copy_checkpoint(src, tmp_path, name="ckpt") -> str:
+    """A fresh copy of the checkpoint at `src` under tmp_path, to break."""
+    dst = str(tmp_path / name)
+    shutil.copytree(src, dst)
+    return dst
+
+
 @pytest.fixture
 def broken(ckpt, tmp_path):
     """A fresh copy of a valid checkpoint (untied, single file) to break."""
-    src, _ = ckpt("gqa2")
-    dst = str(tmp_path / "ckpt")
-    shutil.copytree(src, dst)
-    return dst
+    return copy_checkpoint(ckpt("gqa2")[0], tmp_path)
 
 
 def raises(path, *patterns):
