@@ -415,7 +415,7 @@ def commit_tree(layers, recurrent: Recurrent, path, length):
     accepted path, and its conv state the last K - 1 inputs along it (Qwen3.commit_recurrent)."""
     if not layers:
         return
-    anc = recurrent.anc if recurrent.anc.dim() == 3 else recurrent.anc.expand(path.shape[0], -1, -1)
+    anc = recurrent.anc  # [N, R, R]
     last = path.gather(1, (length - 1)[:, None])  # [N, 1]: the last accepted row
     mask = anc.gather(1, last[:, :, None].expand(-1, 1, anc.shape[-1]))[:, 0]  # [N, R]: its path's rows
     for m in layers:

@@ -106,10 +106,8 @@ def real(name: str, value, error=ValueError) -> float:
     return value
 
 
-def check_sampling(s) -> Sampling:
+def check_sampling(s: Sampling) -> Sampling:
     """The sampling settings checked, their numbers as floats."""
-    if not isinstance(s, Sampling):
-        raise TypeError(f"sampling must be a sampler.Sampling, got {reprlib.repr(s)}")
     temperature, top_p, min_p = (real(name, getattr(s, name)) for name in ("temperature", "top_p", "min_p"))
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {s.temperature!r}")
