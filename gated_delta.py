@@ -10,12 +10,14 @@ torch_recurrent_gated_delta_rule, which the tests compare against):
     o_t   = S^T q_t                          read AFTER the update: a token sees its own write
 
 q and k come in already prepared: `normalize_qk` does what transformers does inside its rules with
-use_qk_l2norm_in_kernel=True (l2norm both, then scale q by Dk ** -0.5). Every function here computes in the
-dtype it is given (transformers upcasts to float32 inside; a caller in bf16 should do the same).
+use_qk_l2norm_in_kernel=True (l2norm both, then scale q by Dk ** -0.5). Every rule computes in the dtype it is
+given (transformers upcasts to float32 inside; a caller in bf16 should do the same); the convolution sums its
+taps in float32 whatever the model dtype.
 
-Shapes (N requests first; H value heads, q and k already repeated to H by the caller; T tokens or R = B + 1 tree
+Shapes (N requests first; H value heads, Hk key heads with Hk dividing H: key head h serves value heads
+h * H / Hk .. (h + 1) * H / Hk - 1, and q . k products are formed once per key head; T tokens or R = B + 1 tree
 rows: row 0 the root, the last committed token not yet run; rows 1..B the drafts in topological order):
-    q, k [N, T, H, Dk]   v [N, T, H, Dv]   g, beta [N, T, H]   state [N, H, Dk, Dv]
+    q, k [N, T, Hk, Dk]   v [N, T, H, Dv]   g, beta [N, T, H]   state [N, H, Dk, Dv]
     conv input x [N, T, C]   conv weight [C, K]   conv state [N, C, K - 1] (the last K - 1 inputs, oldest first)
 
 Every function is fixed-shape and free of host reads and data-dependent Python branches, so it traces whole
@@ -55,12 +57,20 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor)
 
     out_t = silu(sum_j weight[:, j] * input_{t - (K - 1) + j}): weight[:, K - 1] multiplies the current input, as
     in torch's conv1d. A prefill is the call from a zero state; a decode step is T = 1. The new state is the last
-    K - 1 inputs of [old state, x], which reaches into the old state when T < K - 1."""
+    K - 1 inputs of [old state, x], which reaches into the old state when T < K - 1. The taps are summed in
+    float32 and rounded once (conv_output), as a bf16 conv1d on a GPU accumulates."""
     K = weight.shape[-1]
     T = x.shape[1]
     ext = _extended(x, conv_state)
-    acc = sum(weight[:, j] * ext[:, j:j + T] for j in range(K))
-    return F.silu(acc), ext[:, T:].transpose(1, 2)
+    f = compute_dtype(x.dtype)
+    acc = sum(weight[:, j].to(f) * ext[:, j:j + T].to(f) for j in range(K))
+    return conv_output(acc, x.dtype), ext[:, T:].transpose(1, 2)
+
+
+def conv_output(acc: torch.Tensor, dtype) -> torch.Tensor:
+    """SiLU of the summed taps, rounded to the model dtype first: transformers' torch path (F.conv1d in the model
+    dtype, then SiLU)."""
+    return F.silu(acc.to(dtype))
 
 
 def _tree_pointers(parents: torch.Tensor, K: int) -> torch.Tensor:
@@ -87,14 +97,16 @@ def tree_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, p
     K = weight.shape[-1]
     R, C = x.shape[1], x.shape[2]
     ext = _extended(x, conv_state)
+    f = compute_dtype(x.dtype)
     idx = torch.arange(K - 1, K - 1 + R, device=x.device).expand(x.shape[0], R)
-    acc = weight[:, K - 1] * x
-    if K > 1:
-        up = _tree_pointers(parents, K)
-        for d in range(1, K):
-            idx = up.gather(1, idx)
-            acc = acc + weight[:, K - 1 - d] * ext.gather(1, idx.unsqueeze(-1).expand(-1, -1, C))
-    return F.silu(acc)
+    inputs = [x]  # the inputs at distance 0, 1, .., K - 1 up each row's path
+    up = _tree_pointers(parents, K) if K > 1 else None
+    for _ in range(1, K):
+        idx = up.gather(1, idx)
+        inputs.append(ext.gather(1, idx.unsqueeze(-1).expand(-1, -1, C)))
+    # summed oldest first, as causal_conv sums: a chain's rows get its values bit for bit
+    acc = sum(weight[:, j].to(f) * inputs[K - 1 - j].to(f) for j in range(K))
+    return conv_output(acc, x.dtype)
 
 
 def conv_state_along(x: torch.Tensor, conv_state: torch.Tensor, path: torch.Tensor, length: torch.Tensor):
@@ -117,9 +129,17 @@ def conv_state_along(x: torch.Tensor, conv_state: torch.Tensor, path: torch.Tens
 # The gated delta rule.
 
 
+def to_value_heads(x: torch.Tensor, heads: int, dim: int = 2) -> torch.Tensor:
+    """x with its key-head dimension `dim` repeated to `heads` value heads (key head h serves value heads
+    h * r .. h * r + r - 1, r = heads / key heads); x itself when they are as many."""
+    r = heads // x.shape[dim]
+    return x if r == 1 else x.repeat_interleave(r, dim=dim)
+
+
 def recurrent_gated_delta(q, k, v, g, beta, state):
     """The rule one token at a time -> (out [N, T, H, Dv], new state): the reference every other form equals,
     and the decode path (T = 1)."""
+    q, k = (to_value_heads(x, v.shape[2]) for x in (q, k))
     outs = []
     S = state
     for t in range(q.shape[1]):
@@ -167,7 +187,7 @@ def _solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
 def tree_gated_delta(q, k, v, g, beta, state, anc, depth: int | None = None):
     """Every row of a tree through the rule along its own root-to-row path, in one shot -> (out, u, G).
 
-    q, k [N, R, H, Dk], v [N, R, H, Dv], g, beta [N, R, H], state [N, H, Dk, Dv] (the committed state),
+    q, k [N, R, Hk, Dk], v [N, R, H, Dv], g, beta [N, R, H], state [N, H, Dk, Dv] (the committed state),
     anc [N, R, R] (or [R, R]; bool or uint8) from draft_tree.ancestor_matrix: anc[i, j] = j is i or an ancestor.
 
     Along a path the state after row i is S_i = exp(G_i) S0 + sum_{j <= i on the path} exp(G_i - G_j) k_j u_j^T,
@@ -181,15 +201,19 @@ def tree_gated_delta(q, k, v, g, beta, state, anc, depth: int | None = None):
     if anc.dim() == 2:
         anc = anc.expand(q.shape[0], -1, -1)
     anc = anc.bool()
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [N, H, R, D]
+    H = v.shape[2]
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [N, heads, R, D]
     G = torch.einsum("nij,njh->nhi", anc.to(g.dtype), g)  # [N, H, R]
     bh = beta.transpose(1, 2).unsqueeze(-1)  # [N, H, R, 1]
     decay = _decays(G, anc)  # ancestors and the row itself; the solve reads only the strict (ancestor) part
+    # the R x R dot products once per key head, then shared by its value heads
+    kk, qk = (to_value_heads(x @ kh.transpose(-1, -2), H, 1) for x in (kh, qh))
+    qh, kh = (to_value_heads(x, H, 1) for x in (qh, kh))
     rhs = bh * (vh - G.exp().unsqueeze(-1) * (kh @ state))
-    A = (kh @ kh.transpose(-1, -2)).mul_(decay).mul_(bh)
+    A = kk.mul_(decay).mul_(bh)
     series = TREE_SOLVE == "series" and depth is not None
     u = _solve_series(A, rhs, depth) if series else _solve_unit_lower(A, rhs)
-    attn = (qh @ kh.transpose(-1, -2)).mul_(decay)
+    attn = qk.mul_(decay)
     out = G.exp().unsqueeze(-1) * (qh @ state) + attn @ u
     return out.transpose(1, 2), u.transpose(1, 2), G.transpose(1, 2)
 
@@ -201,6 +225,7 @@ def commit_state(state, k, u, G, mask):
     them. S = exp(G_r) S0 + sum_{j in mask} exp(G_r - G_j) k_j u_j^T. r is the largest row in the mask (rows are
     topological), found with a max, not a host read."""
     mask = mask.bool()
+    k = to_value_heads(k, u.shape[2])
     R = mask.shape[-1]
     r = (mask * torch.arange(R, device=mask.device)).amax(-1)  # [N]
     G_r = G.gather(1, r[:, None, None].expand(-1, 1, G.shape[-1]))  # [N, 1, H]
@@ -217,26 +242,29 @@ def chunk_gated_delta(q, k, v, g, beta, state, chunk: int = 64):
     and the part that does not: u = W - Kc S with W = (I + A)^{-1} beta v and Kc = (I + A)^{-1} beta exp(G) k;
     then a scan over chunks carries S. T is padded to a multiple of `chunk` with beta = 0 and g = 0 rows, which
     write nothing and decay nothing."""
-    N, T, H, Dk = q.shape
+    N, T, H = v.shape[:3]
     pad = (-T) % chunk
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
     M = (T + pad) // chunk
 
-    def chunks(x):  # [N, T, H, ...] -> [N, M, H, chunk, ...]
-        return x.reshape(N, M, chunk, H, *x.shape[3:]).transpose(2, 3)
+    def chunks(x):  # [N, T, heads, ...] -> [N, M, heads, chunk, ...]
+        return x.reshape(N, M, chunk, x.shape[2], *x.shape[3:]).transpose(2, 3)
 
     qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, g, beta))
+    # the chunk x chunk dot products once per key head, then shared by its value heads
+    kk, qk = (to_value_heads(x @ kc.transpose(-1, -2), H) for x in (kc, qc))
+    qc, kc = (to_value_heads(x, H) for x in (qc, kc))
     G = gc.cumsum(-1)  # [N, M, H, chunk]
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     diff = G.unsqueeze(-1) - G.unsqueeze(-2)
     decay = diff.masked_fill(~causal, float("-inf")).exp()
     strict_decay = diff.masked_fill(~causal.tril(-1), float("-inf")).exp()
     b = bc.unsqueeze(-1)
-    A = b * (kc @ kc.transpose(-1, -2)) * strict_decay
+    A = b * kk * strict_decay
     W = _solve_unit_lower(A, b * vc)
     Kc = _solve_unit_lower(A, b * G.exp().unsqueeze(-1) * kc)
-    attn = (qc @ kc.transpose(-1, -2)) * decay
+    attn = qk * decay
     q_dec = qc * G.exp().unsqueeze(-1)
     k_to_end = kc * (G[..., -1:] - G).exp().unsqueeze(-1)
     S = state
@@ -326,7 +354,7 @@ class GatedDeltaNet(nn.Module):
     in_proj_qkv gives one channel block [q (Hk * Dk), k (Hk * Dk), v (Hv * Dv)] that runs through the depthwise
     causal conv (kernel K, no bias, SiLU); in_proj_z the output gate, in_proj_b beta = sigmoid(b), in_proj_a the
     log decay g = -exp(A_log) * softplus(a + dt_bias). q and k are l2-normalized (normalize_qk) and each of the
-    Hk key heads serves Hv / Hk consecutive value heads (repeat_interleave). The rule runs and the state is kept
+    Hk key heads serves Hv / Hk consecutive value heads (the rules form q . k once per key head). The rule runs and the state is kept
     in float32 (float64 for a float64 model) whatever the model dtype; the conv and its state stay in the model
     dtype, as in transformers. Then the gated norm with z, and out_proj.
 
@@ -341,10 +369,8 @@ class GatedDeltaNet(nn.Module):
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
         self.kernel, self.index = kernel, index
         self.channels = 2 * key_heads * key_dim + value_heads * value_dim
-        self.in_proj_qkv = Linear(hidden, self.channels)
-        self.in_proj_z = Linear(hidden, value_heads * value_dim)
-        self.in_proj_b = Linear(hidden, value_heads)
-        self.in_proj_a = Linear(hidden, value_heads)
+        self.in_proj = Linear(hidden, parts={"in_proj_qkv": self.channels, "in_proj_z": value_heads * value_dim,
+                                             "in_proj_b": value_heads, "in_proj_a": value_heads})
         self.conv1d = nn.Module()  # only its weight [C, 1, K], as transformers' depthwise nn.Conv1d names it
         self.conv1d.weight = nn.Parameter(torch.empty(self.channels, 1, kernel))
         self.dt_bias = nn.Parameter(torch.ones(value_heads))
@@ -376,10 +402,10 @@ class GatedDeltaNet(nn.Module):
         N, T, _ = x.shape
         f = compute_dtype(x.dtype)
         Hk, Hv, Dk, Dv = self.key_heads, self.value_heads, self.key_dim, self.value_dim
-        mixed = self.in_proj_qkv(x)  # [N, T, C]: the conv's inputs
-        z = self.in_proj_z(x).view(N, T, Hv, Dv)
-        beta = self.in_proj_b(x).sigmoid().to(f)
-        g = -self.A_log.to(f).exp() * F.softplus(self.in_proj_a(x).to(f) + self.dt_bias.to(f))
+        mixed, z, b, a = self.in_proj.split(self.in_proj(x))  # mixed [N, T, C]: the conv's inputs
+        z = z.reshape(N, T, Hv, Dv)
+        beta = b.sigmoid().to(f)
+        g = -self.A_log.to(f).exp() * F.softplus(a.to(f) + self.dt_bias.to(f))
         weight = self.conv1d.weight[:, 0]
         tree = recurrent is not None and recurrent.is_tree
         if tree:
@@ -394,9 +420,7 @@ class GatedDeltaNet(nn.Module):
                 rows = torch.arange(T, device=x.device).expand(N, T)
                 new_conv = conv_state_along(mixed, self.conv_state, rows, valid)
         q, k, v = conv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        q, k = normalize_qk(q.reshape(N, T, Hk, Dk).to(f), k.reshape(N, T, Hk, Dk).to(f))
-        if Hv != Hk:  # key head h serves value heads h * r .. h * r + r - 1
-            q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+        q, k = normalize_qk(q.reshape(N, T, Hk, Dk).to(f), k.reshape(N, T, Hk, Dk).to(f))  # the rules share them
         v = v.reshape(N, T, Hv, Dv).to(f)
         if tree:
             out, u, G = tree_gated_delta(q, k, v, g, beta, self.state, recurrent.anc, recurrent.depth)

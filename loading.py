@@ -29,15 +29,15 @@ def hybrid_kind(d: dict) -> str | None:
 def text_config(d: dict, where: str) -> tuple[dict, str]:
     """The text model's fields of a config: Qwen3_5ForConditionalGeneration files nest them in `text_config`
     (the vision tower's in `vision_config`, unused). tie_word_embeddings of the outer config is the one
-    transformers ties by there; eos_token_id is taken from it too when the text part has none."""
+    transformers ties by there, its default (false) included: an inner value alone does not tie; eos_token_id is
+    taken from the outer config too when the text part has none."""
     inner = d.get("text_config")
     if inner is None:
         return d, where
     if not isinstance(inner, dict):
         raise ValueError(f"{where}: text_config must be a JSON object, got {type(inner).__name__}")
     merged = dict(inner)
-    if "tie_word_embeddings" in d:
-        merged["tie_word_embeddings"] = d["tie_word_embeddings"]
+    merged["tie_word_embeddings"] = d.get("tie_word_embeddings", False)
     if merged.get("eos_token_id") is None and d.get("eos_token_id") is not None:
         merged["eos_token_id"] = d["eos_token_id"]
     merged.setdefault("model_type", (d.get("model_type") or "qwen3_5") + "_text")
@@ -62,23 +62,38 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
         sizes["intermediate_size"] = positive(where, d, "intermediate_size", default=1) if \
             d.get("intermediate_size") is not None else 0
     heads = sizes["num_attention_heads"]
-    kv_heads = positive(where, d, "num_key_value_heads", default=heads) if d.get("num_key_value_heads") else heads
+    family = hybrid and f"qwen3_5{'_moe' if hybrid == 'moe' else ''}" or ("qwen3_moe" if is_moe(d, moe) else "qwen3")
+    defaults = ABSENT_DEFAULTS[family]
+    # A field absent from the file takes transformers' default for the family (a null num_key_value_heads means
+    # as many as the heads, as transformers reads it); `defaulted` names them for a later shape error.
+    kv_heads = positive(where, d, "num_key_value_heads") if d.get("num_key_value_heads") is not None else \
+        heads if "num_key_value_heads" in d else defaults["num_key_value_heads"]
     if d.get("head_dim") is not None:
-        positive(where, d, "head_dim")
+        head_dim = positive(where, d, "head_dim")
+    elif defaults["head_dim"] is not None:
+        head_dim = defaults["head_dim"]
     elif sizes["hidden_size"] % heads:
         raise ValueError(f"{where}: no head_dim, and hidden_size={sizes['hidden_size']} is not a multiple of "
                          f"num_attention_heads={heads}")
+    else:
+        head_dim = sizes["hidden_size"] // heads
+    defaulted = tuple(f"{k}={v}" for k, v in (("head_dim", head_dim), ("num_key_value_heads", kv_heads))
+                      if d.get(k) is None)
+    note = f" ({defaulted_note(defaulted, family)})" if defaulted else ""
     if "tie_word_embeddings" in d and not isinstance(d["tie_word_embeddings"], bool):
         raise ValueError(f"{where}: tie_word_embeddings must be true or false, got {d['tie_word_embeddings']!r}")
     if heads % kv_heads:
-        raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+                         f"{note}")
     rope = d.get("rope_parameters") or {}  # v5
     scaling = d.get("rope_scaling") or {}  # v4
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
         raise ValueError(f"{where}: rope_parameters and rope_scaling must be JSON objects")
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"{where}: rope scaling type {rope_type!r} is not supported (only plain RoPE)")
+    for block, given in (("rope_parameters", rope), ("rope_scaling", scaling)):  # transformers reads both
+        rope_type = given.get("rope_type") or given.get("type") or "default"
+        if rope_type != "default":
+            raise ValueError(f"{where}: rope scaling type {rope_type!r} (in {block}) is not supported (only plain "
+                             f"RoPE)")
     theta = rope.get("rope_theta", d.get("rope_theta"))
     if theta is None:
         raise ValueError(f"{where}: no rope_theta (neither rope_theta nor rope_parameters.rope_theta)")
@@ -94,12 +109,11 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
     act = d.get("hidden_act", "silu")
     if act != "silu":  # every MLP here (and the drafter's) is SiLU-gated, as Qwen3's
         raise ValueError(f"{where}: hidden_act={act!r} is not supported (only 'silu', Qwen3's)")
-    head_dim = d.get("head_dim") or d["hidden_size"] // heads
     common = dict(
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=sizes["intermediate_size"],
         num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, max_position_embeddings=max_positions,
-        tie_word_embeddings=d.get("tie_word_embeddings", False))
+        tie_word_embeddings=d.get("tie_word_embeddings", False), defaulted=defaulted)
     if hybrid:
         return dict(common, **hybrid_fields(d, where, rope, head_dim), **(qwen3_5_moe_fields(d, where)
                                                                          if hybrid == "moe" else {}))
@@ -111,9 +125,28 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
     if partial != 1:
         raise ValueError(f"{where}: partial_rotary_factor={partial!r} is not supported (Qwen3 ropes every "
                          f"dimension)")
-    if moe is None:
-        moe = d.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (d.get("architectures") or [])
-    return dict(common, **(moe_fields(d, where) if moe else {}))
+    return dict(common, **(moe_fields(d, where) if is_moe(d, moe) else {}))
+
+
+def defaulted_note(defaulted: tuple, family: str = "") -> str:
+    """What a shape error adds when config.json left fields to their defaults."""
+    return (f"config.json gives no {', '.join(f.split('=')[0] for f in defaulted)}: transformers' default"
+            f"{' for ' + family if family else ''} is taken, {', '.join(defaulted)}")
+
+
+def is_moe(d: dict, moe: bool | None = None) -> bool:
+    """Whether a Qwen3 config is Qwen3-MoE's (moe: the caller's say, when not None)."""
+    if moe is not None:
+        return moe
+    return d.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (d.get("architectures") or [])
+
+
+# What transformers 5.24 takes when config.json has no head_dim / num_key_value_heads, per family (None: hidden_size
+# / num_attention_heads, Qwen3-MoE's attention reading an absent head_dim).
+ABSENT_DEFAULTS = {"qwen3": dict(head_dim=128, num_key_value_heads=32),
+                   "qwen3_moe": dict(head_dim=None, num_key_value_heads=4),
+                   "qwen3_5": dict(head_dim=256, num_key_value_heads=4),
+                   "qwen3_5_moe": dict(head_dim=256, num_key_value_heads=2)}
 
 
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -292,25 +325,70 @@ def safetensors_files(path: str) -> list[str]:
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors is loaded)")
 
 
-def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device, dtype, skip=frozenset(),
+def stacked_parts(model: nn.Module) -> dict:
+    """{checkpoint tensor name: (parameter name, first row, last row + 1)} for every part of a Linear that stacks
+    several of the checkpoint's projections (model.Linear's `parts`): layers.0.self_attn.k_proj.weight is rows
+    [q, q + kv) of layers.0.self_attn.qkv_proj.weight."""
+    out = {}
+    for name, m in model.named_modules():
+        if getattr(m, "parts", None):
+            parent = name.rpartition(".")[0]
+            row = 0
+            for part, rows in m.parts.items():
+                out[f"{parent}.{part}.weight".lstrip(".")] = (f"{name}.weight", row, row + rows)
+                row += rows
+    return out
+
+
+def checkpoint_tensors(model: nn.Module) -> dict:
+    """The module's state under the checkpoint's names: each stacked weight cut back into the projections it holds
+    (stacked_parts), the rest as they are."""
+    parts = stacked_parts(model)
+    state = dict(model.state_dict())
+    out = {name: state.pop(name) for name in list(state) if name not in {p for p, _, _ in parts.values()}}
+    for part, (name, start, stop) in parts.items():
+        out[part] = state[name][start:stop]
+    return out
+
+
+def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device, dtype, optional=frozenset(),
                  skip_prefixes: tuple = ()):
     """Stream every tensor from the safetensors files straight into `dtype` on `device`.
 
     The model was built on the meta device, so the only host copies are one tensor at a time: an 8B bf16
-    checkpoint never materializes in fp32. A MoE checkpoint's per-expert tensors are copied into their slice of
-    the stacked expert weights as they are read (no second copy); a fused experts.gate_up_proj [E, 2I, H] is split
-    into the gate (first I rows) and up halves. Missing or unexpected tensors are errors, not silent random
-    weights. strip_prefix: one prefix or several (the first that matches is removed); tensors whose file name
-    starts with one of skip_prefixes are not read.
+    checkpoint never materializes in fp32. A projection that the model stacks with others (stacked_parts) is
+    copied into its rows of the stacked weight as it is read, and a MoE checkpoint's per-expert tensors into their
+    slice of the stacked expert weights (no second copy); a fused experts.gate_up_proj [E, 2I, H] is split into the
+    gate (first I rows) and up halves. Missing or unexpected tensors are errors, not silent random weights, and
+    are named as the checkpoint names them. strip_prefix: one prefix or several, of which the checkpoint uses
+    the first that some tensor name starts with (a file of one layout holding tensors under another's prefix has
+    unexpected tensors, as transformers finds them); `lm_head.weight` is read unprefixed only. optional: names
+    read when present and not required; tensors whose file name starts with one of skip_prefixes are not read.
     """
-    prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix)
-    wanted = {name: p for name, p in model.named_parameters()}
+    files = safetensors_files(path)
+    prefix = layout_prefix(files, (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix),
+                           skip_prefixes)
+    parts = stacked_parts(model)
+    stacked = {name for name, _, _ in parts.values()}
+    # (remove_duplicate=False: a tied lm_head is the embeddings' parameter, and still a tensor the file may hold)
+    wanted = {name: p for name, p in model.named_parameters(remove_duplicate=False) if name not in stacked}
     wanted.update((name, b) for name, b in model.named_buffers() if name != "inv_freq")
-    loaded, experts_read = {}, {}
-    for file in safetensors_files(path):
+    params = dict(model.named_parameters())
+    loaded, experts_read, parts_read = {}, {}, set()
+    for file in files:
         for key, t in read_tensors(file, skip_prefixes):
-            name = next((key[len(p):] for p in prefixes if key.startswith(p)), key)
-            if name in skip or name.endswith("rotary_emb.inv_freq"):
+            name = key[len(prefix):] if prefix and key.startswith(prefix) and key != prefix + "lm_head.weight" \
+                else key
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name in parts:  # rows [start, stop) of a stacked weight
+                whole, start, stop = parts[name]
+                shape = (stop - start, params[whole].shape[1])
+                check_tensor(file, key, t, shape)
+                if whole not in loaded:
+                    loaded[whole] = torch.empty(params[whole].shape, device=device, dtype=dtype)
+                loaded[whole][start:stop].copy_(t)
+                parts_read.add(name)
                 continue
             fused = FUSED_GATE_UP.match(name)
             if fused and f"{fused[1]}.gate_proj" in wanted:  # [E, 2I, H]: gate rows first, then up
@@ -330,10 +408,7 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
             if expert and index >= wanted[name].shape[0]:
                 raise ValueError(f"{file}: tensor {key!r} names expert {index}, config.json has "
                                  f"{wanted[name].shape[0]} experts")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies {shape}")
-            if not t.is_floating_point():
-                raise ValueError(f"{file}: tensor {key!r} holds {t.dtype}, not floating-point weights")
+            check_tensor(file, key, t, shape)
             if expert:
                 if name not in loaded:
                     loaded[name] = torch.empty(wanted[name].shape, device=device, dtype=dtype)
@@ -348,13 +423,34 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
         if absent:
             raise ValueError(f"{path}: checkpoint lacks experts {absent[:8]} of {name} "
                              f"({len(absent)} of {wanted[name].shape[0]})")
-    missing = sorted(set(wanted) - set(loaded) - set(skip))
+    missing = sorted((set(wanted) - set(loaded) | set(parts) - parts_read) - set(optional))
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(loaded, strict=False, assign=True)
     # (remove_duplicate=False: a tied lm_head still points at the meta tensor until the caller re-ties it)
-    if any(p.is_meta for n, p in model.named_parameters(remove_duplicate=False) if n not in skip):
+    if any(p.is_meta for n, p in model.named_parameters(remove_duplicate=False) if n not in optional):
         raise ValueError(f"{path}: some weights were not loaded")
+
+
+def layout_prefix(files: list[str], prefixes: tuple, skip_prefixes: tuple) -> str:
+    """The first of `prefixes` that some tensor name of the checkpoint starts with ("" when none does)."""
+    keys = [k for file in files for k in tensor_names(file) if not (skip_prefixes and k.startswith(skip_prefixes))]
+    return next((p for p in prefixes if any(k.startswith(p) for k in keys)), "")
+
+
+def tensor_names(file: str) -> list[str]:
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+
+
+def check_tensor(file: str, key: str, t: torch.Tensor, shape: tuple):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{file}: tensor {key!r} holds {t.dtype}, not floating-point weights")
 
 
 EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -13,6 +13,7 @@ loading.py.
 """
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +22,9 @@ import torch._inductor.config  # read while tracing: frozen graphs keep their la
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from gated_delta import GatedDeltaNet, ZeroCenteredRMSNorm, commit_tree, compute_dtype
-from loading import (check_qwen3_config, checkpoint_prefixes, config_fields, eos_ids_of, load_weights, parse_device,
-                     parse_dtype, read_json, resolve_checkpoint, text_config)
+from gated_delta import GatedDeltaNet, Recurrent, ZeroCenteredRMSNorm, commit_tree, compute_dtype
+from loading import (check_qwen3_config, checkpoint_prefixes, config_fields, defaulted_note, eos_ids_of,
+                     load_weights, parse_device, parse_dtype, read_json, resolve_checkpoint, text_config)
 from moe import SparseMoE
 from tree_attn import flex_kernel_options, prefix_block_mask
 
@@ -69,6 +70,7 @@ class Qwen3Config:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     shared_expert_intermediate_size: int = 0
+    defaulted: tuple = ()  # "field=value" of head_dim / num_key_value_heads when config.json has none (loading.py)
 
     def sparse(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
@@ -111,29 +113,37 @@ def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
-    """cos, sin [..., rotary dims] for positions [...] (angles in float32; float64 for a float64 model)."""
+    """cos, sin [..., rotary dims / 2] for positions [...] (angles in float32; float64 for a float64 model): one
+    value per rotated pair, which both halves of apply_rope share."""
     f = compute_dtype(dtype)
     freqs = positions.to(f)[..., None] * inv_freq.to(f)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    """Rotate-half RoPE. x: [N, heads, Q, head_dim]; cos/sin: [N, 1, Q, rotary dims] (or broadcastable to it).
-    With fewer rotary dims than head_dim (partial RoPE), the first ones are rotated and the rest pass through."""
-    rot = cos.shape[-1]
-    if rot != x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """Rotate-half RoPE. x: [N, heads, Q, head_dim]; cos/sin: [N, 1, Q, rotary dims / 2] (or broadcastable to it).
+    Dimension i of the first half pairs with dimension i of the second: (x1, x2) -> (x1 cos - x2 sin, x2 cos +
+    x1 sin), the same products and sums as Hugging Face's x * cos + rotate_half(x) * sin, without building the
+    rotated copy. With fewer rotary dims than head_dim (partial RoPE), the rest pass through."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias (on a compiled CPU engine, cpu.CpuLinear takes its place)."""
+    """nn.Linear without bias (on a compiled CPU engine, cpu.CpuLinear takes its place).
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    `parts` ({checkpoint name: rows}, in order) stacks several of the checkpoint's projections of the same input
+    into this one weight, so that a forward reads them in one GEMM instead of one each (gpt-fast's wqkv): the
+    loader fills each part's rows from the tensor of that name beside this module, and writes them back under it
+    (loading.checkpoint_tensors); `split` cuts an output into the parts."""
+
+    def __init__(self, in_features: int, out_features: int | None = None, parts: dict | None = None):
+        super().__init__(in_features, out_features or sum(parts.values()), bias=False)
+        self.parts = dict(parts) if parts else None
+
+    def split(self, y):
+        return y.split(list(self.parts.values()), dim=-1)
 
 
 # Layers compiled once (docs/compile.md, "Layers compiled once"). A model's layers run the same code on the same
@@ -159,10 +169,32 @@ def _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, kv_num_blocks, kv_ind
     return layer(x, cos, sin, cache_pos, mask)
 
 
-def run_layer(layer, x, cos, sin, cache_pos, mask):
+@torch.compiler.nested_compile_region
+def _recurrent_chain_once(layer, x, valid):
+    return layer(x, None, None, None, None, Recurrent.chain(valid))
+
+
+@torch.compiler.nested_compile_region
+def _recurrent_tree_once(layer, x, parents, anc, depth):
+    recurrent = Recurrent.tree(parents, anc, depth)
+    x = layer(x, None, None, None, None, recurrent)
+    return (x, *next(iter(recurrent.pending.values())))
+
+
+def run_layer(layer, x, cos, sin, cache_pos, mask, recurrent=None):
     """layer(x, ...), through the layers' one compiled region (see the switch above; outside a compiled graph the
-    region is a plain call)."""
-    if COMPILE_LAYERS_ONCE and not torch._inductor.config.freezing:
+    region is a plain call). A recurrent layer's region takes the Recurrent's tensors and hands back what a tree
+    verify leaves for the commit (recurrent.pending)."""
+    once = COMPILE_LAYERS_ONCE and not torch._inductor.config.freezing
+    if layer.recurrent:
+        if not once:
+            return layer(x, cos, sin, cache_pos, mask, recurrent)
+        if recurrent is not None and recurrent.is_tree:
+            x, *pending = _recurrent_tree_once(layer, x, recurrent.parents, recurrent.anc, recurrent.depth)
+            recurrent.pending[layer.linear_attn.index] = tuple(pending)
+            return x
+        return _recurrent_chain_once(layer, x, None if recurrent is None else recurrent.valid)
+    if once:
         if hasattr(mask, "prefix_tensors"):
             # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the
             # mask goes in as its tensors and is rebuilt inside, so each distinct layer is traced once.
@@ -179,9 +211,9 @@ class Attention(nn.Module):
                  norm=RMSNorm):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.gate = heads, kv_heads, head_dim, gate
-        self.q_proj = Linear(hidden, heads * head_dim * (2 if gate else 1))
-        self.k_proj = Linear(hidden, kv_heads * head_dim)
-        self.v_proj = Linear(hidden, kv_heads * head_dim)
+        self.q_rows = heads * head_dim * (2 if gate else 1)
+        kv_rows = kv_heads * head_dim
+        self.qkv_proj = Linear(hidden, parts={"q_proj": self.q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
         self.o_proj = Linear(heads * head_dim, hidden)
         self.q_norm = norm(head_dim, eps)
         self.k_norm = norm(head_dim, eps)
@@ -190,24 +222,32 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.kv_rows = None  # the (K, V) buffers the caches are the first rows of (allocate_kv_caches)
 
+    def kv_proj(self, x):
+        """(k, v) projections of rows x alone: the K/V rows of the stacked weight (a drafter's context rows are
+        keys and values, never queries)."""
+        return F.linear(x, self.qkv_proj.weight[self.q_rows:]).chunk(2, dim=-1)
+
     def write_kv(self, x, cos, sin, cache_pos):
-        """The K (normed, roped) and V of rows x [N, Q, hidden] into each request's own cache row: request n's row q
-        goes to slot cache_pos[n, q], in one indexed write per cache."""
-        n, q_len = x.shape[:2]
-        k = self.k_norm(self.k_proj(x).view(n, q_len, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, q_len, self.kv_heads, self.head_dim)
-        batch = torch.arange(n, device=x.device)[:, None]
+        """The K and V of rows x [N, Q, hidden] into each request's own cache row (store_kv)."""
+        self.store_kv(*self.kv_proj(x), cos, sin, cache_pos)
+
+    def store_kv(self, k, v, cos, sin, cache_pos):
+        """Projected k, v [N, Q, kv_heads * head_dim] into the caches, k normed and roped: request n's row q goes to
+        slot cache_pos[n, q], in one indexed write per cache."""
+        n, q_len = k.shape[:2]
+        k = self.k_norm(k.view(n, q_len, self.kv_heads, self.head_dim))
+        batch = torch.arange(n, device=k.device)[:, None]
         self.k_cache[batch, :, cache_pos] = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
-        self.v_cache[batch, :, cache_pos] = v
+        self.v_cache[batch, :, cache_pos] = v.view(n, q_len, self.kv_heads, self.head_dim)
 
     def forward(self, x, cos, sin, cache_pos, mask):
         n, q_len = x.shape[:2]
-        q = self.q_proj(x)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.gate:
             q, gate = q.view(n, q_len, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q.reshape(n, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
-        self.write_kv(x, cos, sin, cache_pos)
+        self.store_kv(k, v, cos, sin, cache_pos)
         out = self.attend(q, mask, self.head_dim ** -0.5)
         if self.gate:
             out = out * torch.sigmoid(gate.reshape(n, q_len, self.heads * self.head_dim))
@@ -231,12 +271,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = Linear(hidden, inter)
-        self.up_proj = Linear(hidden, inter)
+        self.gate_up_proj = Linear(hidden, parts={"gate_proj": inter, "up_proj": inter})
         self.down_proj = Linear(inter, hidden)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -291,6 +331,19 @@ def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
             if attn.k_cache is None or attn.k_cache.shape != shape or attn.k_cache.data_ptr() != full[0].data_ptr():
                 # the whole buffer itself, or a view of its first rows (storage offset 0, the buffer's strides)
                 attn.k_cache, attn.v_cache = (t if t.shape[0] == batch else t[:batch] for t in full)
+
+
+def tie_or_keep_head(model, path: str):
+    """tie_word_embeddings: the lm_head is the embedding matrix, unless the file stores an lm_head.weight that
+    differs from it: transformers then uses the stored head, and so do we, with a warning (a stored head equal to
+    the embeddings is tied: one copy)."""
+    head, embed = model.lm_head.weight, model.embed_tokens.weight
+    if head is embed or head.is_meta or torch.equal(head, embed):
+        model.lm_head.weight = embed
+        return
+    warnings.warn(f"{path}: config.json ties the lm_head to the embeddings (tie_word_embeddings: true), but the file "
+                  f"stores an lm_head.weight that differs from them: the stored lm_head is used, as transformers "
+                  f"uses it")
 
 
 def layer_kv_caches(layers):
@@ -382,10 +435,7 @@ class Qwen3(nn.Module):
         cos, sin = (t[:, None] for t in rope_cos_sin(input_pos, self.inv_freq, x.dtype))
         outputs, last = {}, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            if layer.recurrent:  # inlined: it takes the Recurrent object (its state updates in place)
-                x = layer(x, cos, sin, cache_pos, block_mask, recurrent)
-            else:
-                x = run_layer(layer, x, cos, sin, cache_pos, block_mask)
+            x = run_layer(layer, x, cos, sin, cache_pos, block_mask, recurrent)
             if i in feature_layers:
                 # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
                 # read the last layer were trained on that: match it (docs/checkpoints.md, "context features").
@@ -399,6 +449,8 @@ class Qwen3(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, device=None, dtype=None) -> "Qwen3":
+        """The checkpoint at a local path or Hub repo, read as transformers 5.24 reads it (docs/checkpoints.md);
+        bf16 on CUDA and fp32 elsewhere unless `dtype` says."""
         path = resolve_checkpoint(path_or_repo, "target")
         raw = read_json(os.path.join(path, "config.json"))
         where = os.path.join(path, "config.json")
@@ -409,11 +461,16 @@ class Qwen3(nn.Module):
         dtype = parse_dtype(dtype, device)
         with torch.device("meta"):
             model = cls(config)
-        skip = {"lm_head.weight"} if config.tie_word_embeddings else set()
-        load_weights(model, path, strip_prefix=strip, device=device, dtype=dtype, skip=skip,
-                     skip_prefixes=skip_prefixes)
+        optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        try:
+            load_weights(model, path, strip_prefix=strip, device=device, dtype=dtype, optional=optional,
+                         skip_prefixes=skip_prefixes)
+        except ValueError as e:
+            if config.defaulted and "has shape" in str(e):
+                raise ValueError(f"{e} ({defaulted_note(config.defaulted)})") from None
+            raise
         if config.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
+            tie_or_keep_head(model, path)
         model.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta, device)
         model.eos_ids = eos_ids_of(path, text_config(raw, where)[0])
         model.path = path

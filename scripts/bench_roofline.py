@@ -159,8 +159,8 @@ def roofline(a):
             attn = 4 * rows * ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers
             report(f"verify {rows} rows", ms, wt + ctx * kv_row, 2 * rows * wt / es + attn, bw["target"])
         block = drafter.config.block_size
-        ctx_bytes = sum(m.weight.numel() * es for n, m in drafter.named_modules()  # fc and the K/V projections
-                        if isinstance(m, Linear) and (n == "fc" or n.endswith(("k_proj", "v_proj"))))
+        attn = [layer.self_attn for layer in drafter.layers]  # fc and the K/V rows of each stacked projection
+        ctx_bytes = es * (drafter.fc.weight.numel() + sum(a.qkv_proj.weight[a.q_rows:].numel() for a in attn))
         for budget in a.budgets:
             ms = round_split(target, drafter, budget, compile, a.repeats, prompt_len=a.prompt_len)
             out.setdefault("rounds", {})[budget] = ms

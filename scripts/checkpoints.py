@@ -207,7 +207,8 @@ def zlab_config(target_config: dict, layers: int, block_size: int, mask_token_id
 def zlab_weights(drafter: torch.nn.Module, dtype=torch.float32) -> dict:
     """A drafter.DFlashDrafter's tensors under z-lab's names (layers.{i}.*, fc.weight, hidden_norm.weight,
     norm.weight)."""
-    return {k: v.detach().to(dtype).contiguous().clone() for k, v in drafter.state_dict().items()}
+    from loading import checkpoint_tensors
+    return {k: v.detach().to(dtype).contiguous().clone() for k, v in checkpoint_tensors(drafter).items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------

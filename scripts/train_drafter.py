@@ -119,12 +119,13 @@ def training_logits(drafter: DFlashDrafter, embed, lm_head, features, block_toke
     for layer in drafter.layers:
         a = layer.self_attn
         h = layer.input_layernorm(x)
-        q = apply_rope(a.q_norm(a.q_proj(h).view(B, Q, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
-        k_blk = apply_rope(a.k_norm(a.k_proj(h).view(B, Q, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
-        v_blk = a.v_proj(h).view(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
-        k_ctx = a.k_norm(a.k_proj(ctx).view(B, C, a.kv_heads, a.head_dim)).transpose(1, 2)
-        k_ctx = apply_rope(k_ctx, ctx_cos, ctx_sin)
-        v_ctx = a.v_proj(ctx).view(B, C, a.kv_heads, a.head_dim).transpose(1, 2)
+        q, k_blk, v_blk = a.qkv_proj.split(a.qkv_proj(h))
+        q = apply_rope(a.q_norm(q.reshape(B, Q, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
+        k_blk = apply_rope(a.k_norm(k_blk.reshape(B, Q, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
+        v_blk = v_blk.reshape(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
+        k_ctx, v_ctx = a.kv_proj(ctx)
+        k_ctx = apply_rope(a.k_norm(k_ctx.reshape(B, C, a.kv_heads, a.head_dim)).transpose(1, 2), ctx_cos, ctx_sin)
+        v_ctx = v_ctx.reshape(B, C, a.kv_heads, a.head_dim).transpose(1, 2)
         k, v = torch.cat([k_ctx, k_blk.to(k_ctx.dtype)], dim=2), torch.cat([v_ctx, v_blk.to(v_ctx.dtype)], dim=2)
         q = q.to(k.dtype)
         gqa = a.heads != a.kv_heads

@@ -37,6 +37,7 @@ for p in (HERE, ROOT):
 
 from checkpoints import (CHAT_TEMPLATE, add_training_options, load_train_state, qwen3_config, save_checkpoint, save_train_state,  # noqa: E402
                          stdlib_files, train_tokenizer, write_json_file)
+from loading import checkpoint_tensors  # noqa: E402
 from model import Qwen3, Qwen3Config, apply_rope, rope_cos_sin  # noqa: E402
 
 HELD_OUT_EVERY = 20
@@ -51,9 +52,10 @@ def attention(attn, h, cos, sin, cache=None):
     Causal over the T rows; with `cache` (a list, [] at first) the K/V are appended to it (prefill with an empty
     cache, or one decode row at a time)."""
     B, T, _ = h.shape
-    q = attn.q_norm(attn.q_proj(h).view(B, T, attn.heads, attn.head_dim)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(h).view(B, T, attn.kv_heads, attn.head_dim)).transpose(1, 2)
-    v = attn.v_proj(h).view(B, T, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    q, k, v = attn.qkv_proj.split(attn.qkv_proj(h))
+    q = attn.q_norm(q.reshape(B, T, attn.heads, attn.head_dim)).transpose(1, 2)
+    k = attn.k_norm(k.reshape(B, T, attn.kv_heads, attn.head_dim)).transpose(1, 2)
+    v = v.reshape(B, T, attn.kv_heads, attn.head_dim).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     past = 0
     if cache is not None:
@@ -127,7 +129,7 @@ def hf_weights(model: Qwen3, dtype=torch.float32) -> dict:
     """model.Qwen3's parameters under Hugging Face's names (a tied lm_head is left out, as the loader allows)."""
     tied = model.config.tie_word_embeddings
     w = {}
-    for name, p in model.state_dict().items():
+    for name, p in checkpoint_tensors(model).items():
         if name == "lm_head.weight":
             if not tied:
                 w[name] = p.detach().to(dtype).clone()

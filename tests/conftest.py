@@ -227,3 +227,17 @@ def random_prompts(n: int, vocab: int, longest: int, seed: int = 0) -> list[list
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (int(torch.randint(1, longest, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+class WeightReads(torch.overrides.TorchFunctionMode):
+    """Counts F.linear calls while active: each one is a GEMM that streams one weight, what a decode step's time
+    is made of on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

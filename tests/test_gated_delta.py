@@ -285,3 +285,40 @@ def test_series_solve_needs_the_whole_depth(monkeypatch):
     short, _, _ = gd.tree_gated_delta(q, k, v, g, beta, state, anc, depth - 1)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     assert (short - want).abs().max() > 0.1
+
+
+def test_rules_form_q_dot_k_once_per_key_head():
+    """q and k at their Hk key heads (each serving Hv / Hk value heads) give every rule, and the commit, exactly
+    what the same q and k repeated to Hv heads give: the R x R dot products are formed once per key head and
+    shared, not recomputed per value head."""
+    gen = torch.Generator().manual_seed(3)
+    N, B, Hk, Hv, Dk, Dv = 2, 9, 2, 6, 4, 3
+    parents = random_parents(gen, N, B, pad=2)
+    anc = draft_tree.ancestor_matrix(parents)
+    q, k, v, g, beta, state, *_ = make_inputs(N, B + 1, Hv, Dk, Dv, 3, seed=4)
+    q, k = q[:, :, ::Hv // Hk], k[:, :, ::Hv // Hk]  # [N, R, Hk, Dk]
+    rq, rk = q.repeat_interleave(Hv // Hk, 2), k.repeat_interleave(Hv // Hk, 2)
+    last = anc[:, -3]  # each request's path to row B - 2
+    shared, repeated = gd.tree_gated_delta(q, k, v, g, beta, state, anc), \
+        gd.tree_gated_delta(rq, rk, v, g, beta, state, anc)
+    for a, b in zip(shared, repeated):
+        assert torch.equal(a, b)
+    assert torch.equal(gd.commit_state(state, k, *shared[1:], last), gd.commit_state(state, rk, *repeated[1:], last))
+    for rule in (gd.recurrent_gated_delta, lambda *a: gd.chunk_gated_delta(*a, chunk=4)):
+        for a, b in zip(rule(q, k, v, g, beta, state), rule(rq, rk, v, g, beta, state)):
+            assert torch.equal(a, b)
+
+
+def test_bf16_conv_sums_its_taps_in_float32():
+    """In bf16 the conv's taps are summed in float32 and rounded once, then SiLU (transformers' F.conv1d path on
+    a GPU), not summed in bf16; tree rows along a chain get the chain's values bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    N, T, C = 2, 6, 64
+    x, conv_state = torch.randn(N, T, C, generator=gen).bfloat16(), torch.randn(N, C, K - 1, generator=gen).bfloat16()
+    weight = torch.randn(C, K, generator=gen).bfloat16()
+    ours, _ = gd.causal_conv(x, weight, conv_state)
+    ext = torch.cat([conv_state, x.transpose(1, 2)], -1).double()  # products of bf16 values are exact in float64
+    summed = torch.nn.functional.conv1d(ext, weight.double()[:, None], groups=C).transpose(1, 2).float()
+    assert torch.equal(ours, torch.nn.functional.silu(summed.bfloat16()))
+    chain = torch.arange(T - 1)[None].expand(N, -1)
+    assert torch.equal(gd.tree_conv(x, weight, conv_state, chain), ours)

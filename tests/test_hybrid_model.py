@@ -19,9 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 import draft_tree
-from conftest import written_once
+from conftest import WeightReads, written_once
 from test_model import copy_checkpoint, raises, rewrite_config, rewrite_weights
 from gated_delta import Recurrent
+import model as model_mod
 from model import Qwen3
 from tree_attn import PrefixMask, causal, compact_kv
 
@@ -367,6 +368,37 @@ def test_error_visual_tensors_outside_a_hybrid_are_unexpected(ckpt, tmp_path):
     raises(dst, "unexpected tensor", "model.language_model.layers.0.linear_attn.extra")
 
 
+def test_nested_config_ties_by_the_outer_flag_alone(ckpt, tmp_path):
+    """A Hub-layout config whose outer part has no tie_word_embeddings takes transformers' outer default (false),
+    whatever text_config says: the stored lm_head is the head."""
+    dst = copy_checkpoint(ckpt("conditional")[0], tmp_path, "c")
+
+    def inner_tie_only(c):
+        c.pop("tie_word_embeddings", None)
+        c["text_config"]["tie_word_embeddings"] = True
+    rewrite_config(dst, inner_tie_only)
+    m = Qwen3.from_pretrained(dst, device="cpu", dtype=torch.float64)
+    stored = load_file(os.path.join(dst, "model.safetensors"))["lm_head.weight"]
+    assert m.lm_head.weight is not m.embed_tokens.weight and torch.equal(m.lm_head.weight, stored.double())
+
+
+@pytest.mark.parametrize("key", ["model.layers.0.linear_attn.A_log", "model.language_model.lm_head.weight"])
+def test_hub_layout_refuses_tensors_transformers_would_not_read(ckpt, tmp_path, key):
+    """In a model.language_model.* file, a model.layers.* copy of a layer's tensor, or an lm_head under the text
+    model's prefix, is not read by transformers; here it is an unexpected tensor, never a silent override."""
+    dst = copy_checkpoint(ckpt("conditional")[0], tmp_path, "c")
+    rewrite_weights(dst, lambda w: w.update({key: torch.ones_like(w["model.language_model." + key.split(".", 1)[1]]
+                                                                  if "layers" in key else w["lm_head.weight"])}))
+    raises(dst, "unexpected tensor", key)
+
+
+def test_absent_head_dim_takes_transformers_default_and_says_so(broken):
+    """No head_dim in a qwen3_5 config: transformers' default (256) is taken, and the shape error it then gives on
+    this checkpoint (head_dim 32) names the field."""
+    rewrite_config(broken, lambda c: c.pop("head_dim"))
+    raises(broken, "has shape", "config.json gives no head_dim", "head_dim=256")
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.update(layer_types=["full_attention"] * 3), "one type per layer"),
     (lambda c: c["rope_parameters"].update(partial_rotary_factor=0.01), "partial_rotary_factor"),
@@ -432,6 +464,63 @@ def test_chain_tree_and_commit_compile_fullgraph(ckpt):
     (a0, b0, s0), (a1, b1, s1) = results
     assert max_diff(a0, a1) < 1e-5 and max_diff(b0, b1) < 1e-5
     assert max(max_diff(x, y) for x, y in zip(s0, s1)) < 1e-5 and any(t.abs().max() > 0.1 for t in s0)
+
+
+def test_recurrent_layers_compiled_once_as_one_region(ckpt, monkeypatch):
+    """Under torch.compile the Gated DeltaNet layers go through one nested compile region as the attention layers
+    do, in a chain (prefill, decode) and in a tree verify, whose region hands back what the commit needs: one
+    traced body per kind of layer, every layer a call of it, results and states equal to the inlined graph."""
+    path, _ = ckpt("dense_i2_tied")
+    m = load(path, torch.float32)
+    mask = PrefixMask(5, CACHE, "cpu", batch=2)
+    parents = torch.tensor([[0, 0, 1, -1], [0, 1, 2, 3]])
+    anc = draft_tree.ancestor_matrix(parents, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(4)
+    rows, valid = torch.randint(0, 256, (2, 5), generator=gen), torch.tensor([5, 3])
+    pos = torch.arange(5).expand(2, 5)
+    path_rows, length = torch.tensor([[0, 1, 3, 0, 0], [0, 1, 2, 3, 4]]), torch.tensor([3, 5])
+
+    def run(tokens):  # a prefill chunk, then a tree verify and its commit
+        m(tokens, pos, pos, mask.block_mask, recurrent=Recurrent.chain(valid))
+        tree = Recurrent.tree(parents, anc)
+        logits = m(tokens, pos + 5, pos + 5, mask.block_mask, recurrent=tree)[0]
+        m.commit_recurrent(tree, path_rows, length)
+        return logits
+
+    def compiled():
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        m.reset_recurrent()
+        mask.set(torch.zeros(2, dtype=torch.long), causal(5).expand(2, -1, -1))
+        with torch.no_grad():
+            logits = torch.compile(run, backend=backend, fullgraph=True)(rows)
+        calls = [n for gm in graphs for n in gm.graph.nodes
+                 if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+        return logits, [c.args[0].target for c in calls], [t.clone() for t in m.state_tensors()]
+
+    kinds = len({layer.recurrent for layer in m.layers})
+    logits, bodies, states = compiled()
+    assert len(bodies) == 2 * len(m.layers) and len(set(bodies)) == 2 * kinds  # chain and tree bodies per kind
+    monkeypatch.setattr(model_mod, "COMPILE_LAYERS_ONCE", False)
+    ref, inlined, ref_states = compiled()
+    assert inlined == [] and max_diff(logits, ref) < 1e-5
+    assert max(max_diff(a, b) for a, b in zip(states, ref_states)) < 1e-5 and any(t.abs().max() > 0.1 for t in states)
+
+
+def test_a_decode_step_reads_each_layers_weights_in_four_gemms(ckpt):
+    """A Gated DeltaNet layer's four input projections (qkv, z, b, a) are one GEMM, the gated attention's q/k/v
+    another, each MLP's gate/up another: 4 GEMMs per layer of either kind, plus the lm_head's."""
+    path, _ = ckpt("dense_i2_tied")
+    m = load(path, torch.float32)
+    m.setup_cache(CACHE)
+    with WeightReads() as reads:
+        decode(m, torch.tensor([3]), torch.tensor([0]))
+    assert reads.count == 4 * len(m.layers) + 1
 
 
 def test_bf16_runs_with_float32_states(ckpt):

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 import loading
 import model as model_mod
-from conftest import written_once
+from conftest import WeightReads, written_once
 from model import Qwen3
 from scripts.checkpoints import layer_weights, qwen3_config, save_checkpoint
 from tree_attn import PrefixMask, causal
@@ -201,6 +201,29 @@ def test_logits_match_transformers(ckpt, name):
     assert ours.dtype == torch.float32 and ours.shape == (24, VOCAB) and feats is None
     assert ref.abs().max() > 0.5  # the comparison is not between two near-zero tensors
     assert max_diff(ours, ref) < TOL
+
+
+def test_stacked_projections_read_and_write_the_checkpoints_tensors(ckpt):
+    """q/k/v and gate/up are one weight each in our modules (one GEMM per forward) and the checkpoint's own
+    tensors on disk: each part's rows hold that tensor exactly, and checkpoint_tensors gives the file back."""
+    path, _ = ckpt("gqa3")
+    m = load(path)
+    attn = m.layers[0].self_attn
+    assert set(attn.qkv_proj.parts) == {"q_proj", "k_proj", "v_proj"} and not hasattr(attn, "k_proj")
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    written = loading.checkpoint_tensors(m)
+    assert set(written) == {k.removeprefix("model.") for k in stored}
+    assert all(torch.equal(written[k.removeprefix("model.")], v) for k, v in stored.items())
+
+
+def test_a_decode_step_reads_each_layers_weights_in_four_gemms(ckpt):
+    """q/k/v stacked into one GEMM and gate/up into another: a layer's decode step is 4 GEMMs (qkv, o, gate_up,
+    down) where the checkpoint's 7 projections would be 7, plus the lm_head's."""
+    path, _ = ckpt("gqa3")
+    m = load(path)
+    with WeightReads() as reads:
+        ours_causal(m, token_ids(1), start=5)
+    assert reads.count == 4 * len(m.layers) + 1
 
 
 def test_hf_reads_our_rewritten_configs_the_same_way(ckpt):
@@ -441,6 +464,38 @@ def test_error_yarn(broken, style):
             c["rope_scaling"] = {key: "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
     rewrite_config(broken, edit)
     raises(broken, "yarn")
+
+
+def test_tied_config_with_a_different_stored_head_uses_it_as_transformers(ckpt, tmp_path):
+    """tie_word_embeddings: true, but the file's lm_head.weight differs from the embeddings: transformers uses the
+    stored head, so we do too, with a warning; a stored head equal to the embeddings stays tied."""
+    path, hf = ckpt("tied_head_in_file")
+    tied = load(path)
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    dst = copy_checkpoint(path, tmp_path)
+    rewrite_weights(dst, lambda w: w.update({"lm_head.weight": torch.randn_like(w["lm_head.weight"])}))
+    with pytest.warns(UserWarning, match="stored lm_head is used"):
+        m = load(dst)
+    ref = transformers.Qwen3ForCausalLM.from_pretrained(dst).eval()
+    assert m.lm_head.weight is not m.embed_tokens.weight
+    ids = token_ids(12, seed=3)
+    assert max_diff(ours_causal(m, ids)[0], hf_logits(ref, ids).logits[0]) < TOL
+
+
+def test_error_rope_scaling_beside_rope_parameters(broken):
+    """A v5 file's plain rope_parameters with a rope_scaling block beside it (transformers applies the scaling):
+    refused, not run as plain RoPE."""
+    rewrite_config(broken, lambda c: (to_v5(c), c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0})))
+    raises(broken, "rope scaling type 'yarn'", "rope_scaling")
+
+
+def test_absent_num_key_value_heads_takes_transformers_default(broken):
+    """No num_key_value_heads in a qwen3 config: transformers' default (32) is taken, and the error names the field
+    it came from; an explicit null means as many as the heads, as transformers reads it."""
+    rewrite_config(broken, lambda c: c.pop("num_key_value_heads"))
+    raises(broken, "num_key_value_heads=32", "config.json gives no num_key_value_heads")
+    rewrite_config(broken, lambda c: c.update(num_key_value_heads=None))
+    raises(broken, "has shape")  # the gqa2 file has 2 kv heads, not 4
 
 
 def test_error_missing_tensor(broken):

@@ -15,7 +15,7 @@ import cpu
 from conftest import compiled_equals_eager, random_prompts
 from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter
-from loading import default_target_layer_ids
+from loading import checkpoint_tensors, default_target_layer_ids
 from model import Attention, Linear, Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
@@ -221,7 +221,7 @@ def test_real_shaped_drafter_config_gives_the_right_shapes():
            "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}}
     with torch.device("meta"):
         d = DFlashDrafter(DFlashConfig.from_dict(raw))
-    shapes = {k: tuple(v.shape) for k, v in d.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in checkpoint_tensors(d).items()}
     assert len(shapes) == 58
     assert shapes["fc.weight"] == (4096, 5 * 4096)
     assert shapes["layers.4.self_attn.k_proj.weight"] == (8 * 128, 4096)
