@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from drafter import DFlashDrafter
+from model import Qwen3
 from sampler import Sampling
 from tree_attn import round_up
 
@@ -94,13 +96,13 @@ def check_settings(method, sampling, budget, speculation) -> tuple:
 
 def real(name: str, value, error=ValueError) -> float:
     """A real number as a float (an int as large as 2**64 would overflow in the kernels)."""
-    # bool is an int subclass, but `temperature=True` is certainly a mistake
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise error(f"{name} must be a real number, got {value!r}")
+    # bool is an int subclass, but `temperature=True` is certainly a mistake; numbers.Real takes numpy's scalars
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise error(f"{name} must be a real number, got {shown(value)}")
     try:
         value = float(value)
     except OverflowError:
-        raise ValueError(f"{name} must be finite, got {value!r}") from None
+        raise ValueError(f"{name} must be finite, got {shown(value)}") from None
     if math.isnan(value):
         raise ValueError(f"{name} must be a real number, got {value!r}")
     return value
@@ -112,7 +114,7 @@ def check_sampling(s: Sampling) -> Sampling:
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {s.temperature!r}")
     if not is_int(s.top_k) or s.top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {s.top_k!r}")
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {shown(s.top_k)}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {s.top_p!r}")
     if not 0 <= min_p <= 1:
@@ -125,6 +127,7 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
     """The requests checked against the models; returns the prompts as lists, one seed per prompt (None drawn
     fresh from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs) and the
     stop ids as a set. Errors about one of several prompts name it."""
+    check_models(target, drafter, method)
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of prompts (each a list of token ids or a 1-D integer tensor), got "
                         f"{reprlib.repr(prompts)}")
@@ -142,7 +145,7 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
             fresh.append(secrets.randbits(63) if seed is None else check_int("seed", seed, 0))
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}{e}") from None
-    stop = check_stop_ids(target.eos_ids if stop_ids is None else stop_ids)
+    stop = set(target.eos_ids) if stop_ids is None else check_stop_ids(stop_ids, target.config.vocab_size)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_int("max_batch", max_batch, 1)
     if not isinstance(compile, bool) and compile != "max-autotune":
@@ -157,8 +160,6 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
         raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"target's max_position_embeddings ({limit})")
     if method != "ar":
-        if drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter")
         drafter.bind(target)
         if spec.denoise_steps > drafter.block_size - 1:
             raise ValueError(f"denoise_steps {spec.denoise_steps} exceeds the drafter's {drafter.block_size - 1} "
@@ -170,6 +171,24 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
             raise ValueError(f"budget {spec.budget} is beyond what the cache can hold: prompt ({longest}) + "
                              f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
     return checked, fresh, stop
+
+
+def check_models(target, drafter, method: str):
+    """A Qwen3 target; a DFlashDrafter for dflash and ddtree, none for ar (as the command line refuses --draft with
+    --method ar: a drafter given would be ignored)."""
+    if not isinstance(target, Qwen3):
+        raise TypeError(f"target must be a model.Qwen3 (Qwen3.from_pretrained), got {kind_of(target)}")
+    if drafter is not None and not isinstance(drafter, DFlashDrafter):
+        raise TypeError(f"drafter must be a drafter.DFlashDrafter (DFlashDrafter.from_pretrained) or None, got "
+                        f"{kind_of(drafter)}")
+    if method == "ar" and drafter is not None:
+        raise ValueError("drafter does not apply to method 'ar': pass drafter=None")
+    if method != "ar" and drafter is None:
+        raise ValueError(f"method {method!r} needs a drafter")
+
+
+def kind_of(value) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def applies(setting: str, method: str, greedy: bool) -> bool:
@@ -194,15 +213,25 @@ def is_int(value) -> bool:
 
 def check_int(name: str, value, low: int, high: int = INT64_MAX) -> int:
     if not is_int(value):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
+        raise TypeError(f"{name} must be an integer, got {shown(value)}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        raise ValueError(f"{name} must be in [{low}, {high}], got {shown(value)}")
     return int(value)
+
+
+def shown(value) -> str:
+    """A value as an error message quotes it: shortened, and a huge integer by its size (Python refuses to write
+    one of more than 4,300 digits)."""
+    if is_int(value) and abs(int(value)).bit_length() > 1000:
+        return f"an integer of {int(math.log10(abs(int(value)))) + 1} digits"
+    return reprlib.repr(value)
 
 
 def check_prompt(prompt_ids, target) -> list[int]:
     """The prompt as a list of token ids in [0, vocab): a list or tuple of ints, or a 1-D integer tensor."""
     if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.is_meta:
+            raise ValueError("prompt_ids is a meta tensor: it holds no token ids")
         if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex() or \
                 prompt_ids.dtype == torch.bool:
             raise TypeError(f"prompt_ids must be a 1-D integer tensor, got {prompt_ids.dim()}-D {prompt_ids.dtype}")
@@ -219,8 +248,11 @@ def check_prompt(prompt_ids, target) -> list[int]:
     return [int(t) for t in prompt_ids]
 
 
-def check_stop_ids(stop_ids) -> set[int]:
+def check_stop_ids(stop_ids, vocab: int) -> set[int]:
     if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (list, tuple, set, frozenset)) or \
             not all(is_int(t) for t in stop_ids):
         raise TypeError(f"stop_ids must be a list of int token ids, got {reprlib.repr(stop_ids)}")
+    outside = sorted(t for t in stop_ids if not 0 <= t < vocab)
+    if outside:  # a stop id the target cannot produce would never stop anything
+        raise ValueError(f"stop ids must lie in [0, {vocab}) for this target, got {reprlib.repr(outside)}")
     return {int(t) for t in stop_ids}

@@ -33,6 +33,12 @@ def pair(random_pair_files, one_thread):
     return load_pair(random_pair_files)
 
 
+def models(pair, method):
+    """The target, and the drafter unless the method is plain decoding (which takes none)."""
+    target, drafter = pair
+    return target, None if method == "ar" else drafter
+
+
 def ragged_prompts(n, seed=0):
     """n prompts of different lengths, the second one longer than a prefill chunk."""
     g = torch.Generator().manual_seed(seed)
@@ -45,7 +51,7 @@ METHODS = [("ar", {}), ("dflash", {}), ("ddtree", dict(budget=6))]
 
 @pytest.mark.parametrize("method, kw", METHODS, ids=[m for m, _ in METHODS])
 def test_greedy_batch_equals_each_lone_run(pair, method, kw):
-    target, drafter = pair
+    target, drafter = models(pair, method)
     prompts = ragged_prompts(6)
     # 6 requests in batches of at most 4 (a batch of 4, then one of 2); the stop token ends some of them early.
     batch = generate_batch(target, drafter, prompts, method=method, max_new_tokens=24, stop_ids=[STOP], max_batch=4,
@@ -67,7 +73,7 @@ SAMPLED = [("ar", dict(temperature=1.0)),
 
 @pytest.mark.parametrize("method, kw", SAMPLED, ids=[m for m, _ in SAMPLED])
 def test_seeded_batch_request_is_the_lone_sample(pair, method, kw):
-    target, drafter = pair
+    target, drafter = models(pair, method)
     prompts, seeds = ragged_prompts(5, seed=1), [11, 12, 13, 14, 15]
     batch = generate_batch(target, drafter, prompts, method=method, max_new_tokens=20, seeds=seeds, stop_ids=[],
                            **grouped(kw))
@@ -89,7 +95,7 @@ SHRINKING = [("ddtree", dict(budget=6)), ("dflash", dict(temperature=0.9, draft_
 def test_batch_shrinks_as_requests_end_and_each_request_stays_its_lone_run(pair, monkeypatch, method, kw):
     """Requests that end at different rounds (the stop token, the token limit) move the batch to engines of
     smaller batch sizes (8 -> 4 -> 2 -> 1 as they end); every request, greedy or seeded, is still its lone run."""
-    target, drafter = pair
+    target, drafter = models(pair, method)
     resumed = []  # (the engine's batch, the requests it took over)
     resume = batching.resume
     monkeypatch.setattr(batching, "resume", lambda engine, held: (resumed.append((engine.batch, len(held[-1]))),

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -174,6 +175,10 @@ def test_fresh_seed_leaves_torch_global_rng_alone(pair):
     (dict(prompt_ids=[2**70]), ValueError, "prompt ids must lie in"),
     (dict(stop_ids=5), TypeError, "stop_ids must be a list"),
     (dict(stop_ids=[1.5]), TypeError, "stop_ids must be a list"),
+    (dict(stop_ids=[-5, 10**12]), ValueError, r"stop ids must lie in \[0, 16\).* got \[-5, 1000000000000\]"),
+    (dict(prompt_ids=torch.tensor([1, 2], device="meta")), ValueError, "meta tensor"),
+    (dict(seed=10**5000), ValueError, "seed must be in .* got an integer of 5001 digits"),
+    (dict(method="ar"), ValueError, "drafter does not apply to method 'ar'"),
     (dict(seed=2**63), ValueError, "seed must be in"),
     (dict(seed=-1), ValueError, "seed must be in"),
     (dict(compile="yes"), TypeError, "compile must be True, False or 'max-autotune'"),
@@ -207,6 +212,23 @@ def test_grouped_settings_are_the_api_arguments_and_a_setting_given_twice_is_ref
     assert grouped(dict(budget=4)) == dict(budget=4)
     with pytest.raises(ValueError, match="denoise_steps and speculation are both given"):
         grouped(dict(denoise_steps=2, speculation=Speculation()))
+
+
+def test_models_of_the_wrong_kind_say_which_argument(pair):
+    target, drafter = pair
+    with pytest.raises(TypeError, match="target must be a model.Qwen3 .*, got None"):
+        generate(None, drafter, [1, 2], max_new_tokens=4)
+    with pytest.raises(TypeError, match="drafter must be a drafter.DFlashDrafter .*, got a Qwen3"):
+        generate(target, target, [1, 2], max_new_tokens=4)
+
+
+def test_numpy_numbers_are_numbers(pair):
+    target, drafter = pair
+    kw = dict(method="ddtree", budget=4, max_new_tokens=8, stop_ids=[])
+    plain = generate(target, drafter, [3, 4], temperature=0.5, top_k=3, top_p=0.75, seed=1, **kw)
+    numpy = generate(target, drafter, [3, 4], temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.75),
+                     seed=np.int64(1), **kw)
+    assert numpy.tokens == plain.tokens
 
 
 def test_integer_tensors_and_tuples_are_prompts(pair):
@@ -271,7 +293,7 @@ def test_generate_with_generated_arguments(pair, arguments):
     target, drafter = pair
     prompt, kwargs = arguments
     try:
-        res = generate(target, drafter, prompt, **grouped(kwargs))
+        res = generate(target, None if kwargs["method"] == "ar" else drafter, prompt, **grouped(kwargs))
     except (ValueError, TypeError) as e:
         assert str(e)
         event(type(e).__name__)
