@@ -19,12 +19,15 @@ gated_delta.py (recurrent layers, docs/recurrent_tree.md).
 docs/round.md walks through one round with a picture of its tree and mask.
 """
 
+import contextlib
 import functools
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
+import weakref
 
 if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 quietly; main() takes over from there
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
@@ -40,7 +43,7 @@ from drafter import DFlashDrafter
 from gated_delta import Recurrent
 from model import Qwen3
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
-from settings import Speculation, check_request, check_settings, verify_rows
+from settings import Speculation, check_models, check_request, check_settings, verify_rows
 from tree_attn import PrefixMask, causal, compact_kv, round_up
 
 # Eager FlexAttention (eager engines on CUDA, cpu.EAGER_CPU_ATTENTION = "flex") warns that it materializes
@@ -76,6 +79,9 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
     top_k/top_p/min_p with greedy decoding) is a ValueError, not silently ignored; bad values are a ValueError or
     TypeError saying what is expected.
 
+    A run holds its models until it returns (their caches hold its requests): a run on the same models from another
+    thread waits for it, and one from this thread (a call from on_tokens or on_result) is a RuntimeError.
+
     stats: new_tokens, rounds, accepted (tokens each round emitted; their sum is new_tokens - 1, the first token
     coming from the prefill), verified (tokens each round's verify accepted, drafts + the target's next token,
     before a stop token or the token limit cut them), tau = mean of accepted, seconds and tokens_per_s (the
@@ -105,18 +111,20 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     end (stats["batch"] is the size it started at). Other settings and stats: as generate().
     """
     sampling, spec = check_settings(method, Sampling(temperature, top_k, top_p, min_p), budget, speculation)
-    prompts, seeds, stop = check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec,
-                                         compile, on_tokens, max_batch, on_result)
+    check_models(target, drafter, method)
+    with models_in_use(target, drafter):
+        prompts, seeds, stop = check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens,
+                                             spec, compile, on_tokens, max_batch, on_result)
 
-    def engine_for(longest: int):  # the engine (by batch size) for a wave whose longest prompt has this length
-        budgets = auto_budgets(longest, max_new_tokens, target) if spec.budget == "auto" else ()
-        length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets, target.device.type)
-        return functools.partial(get_engine, target, drafter if method != "ar" else None, method, sampling, spec,
-                                 length, compile, auto=budgets)
+        def engine_for(longest: int):  # the engine (by batch size) for a wave whose longest prompt has this length
+            budgets = auto_budgets(longest, max_new_tokens, target) if spec.budget == "auto" else ()
+            length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets, target.device.type)
+            return functools.partial(get_engine, target, drafter, method, sampling, spec, length, compile,
+                                     auto=budgets)
 
-    with torch.inference_mode():
-        return run_waves(engine_for, prompts, seeds, stop, max_new_tokens, max_batch, on_tokens, on_result,
-                         dict(method=method, budget=spec.budget))
+        with torch.inference_mode():
+            return run_waves(engine_for, prompts, seeds, stop, max_new_tokens, max_batch, on_tokens, on_result,
+                             dict(method=method, budget=spec.budget))
 
 
 NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
@@ -460,6 +468,7 @@ class Engine:
 
 
 _ENGINES: dict = {}
+_ENGINES_LOCK = threading.Lock()  # runs on other models may pick engines from other threads
 
 
 def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch=1,
@@ -468,18 +477,59 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, ba
     auto: the tree sizes of a budget-auto engine."""
     settings = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, auto)
     key = settings + (batch,)
-    if key not in _ENGINES:
-        # Engines of other settings go (a stale engine holds masks, compiled graphs, and budget auto's buffers);
-        # those of other batch sizes stay, for a batch that shrinks as its requests end. The caches are the models'.
-        for old in [k for k in _ENGINES if k[:-1] != settings]:
-            del _ENGINES[old]
-        if spec.budget == "auto":
-            _ENGINES[key] = auto_engine(
-                lambda method, drafter, spec, tally=None: Engine(target, drafter, method, sampling, spec, max_seq_len,
-                                                                 compile, batch, tally), target, drafter, spec, auto)
-        else:
-            _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch)
-    return _ENGINES[key]
+    with _ENGINES_LOCK:
+        if key not in _ENGINES:
+            # Engines of other settings go (a stale engine holds masks, compiled graphs, and budget auto's buffers);
+            # those of other batch sizes stay, for a batch that shrinks as its requests end. The caches are the
+            # models'.
+            for old in [k for k in _ENGINES if k[:-1] != settings]:
+                del _ENGINES[old]
+            if spec.budget == "auto":
+                _ENGINES[key] = auto_engine(
+                    lambda method, drafter, spec, tally=None: Engine(target, drafter, method, sampling, spec,
+                                                                     max_seq_len, compile, batch, tally),
+                    target, drafter, spec, auto)
+            else:
+                _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch)
+        return _ENGINES[key]
+
+
+class InUse:
+    """Which thread runs on a model: its caches hold that run's requests until it returns."""
+
+    def __init__(self):
+        self.lock, self.owner = threading.Lock(), None
+
+
+_IN_USE: "weakref.WeakKeyDictionary[torch.nn.Module, InUse]" = weakref.WeakKeyDictionary()
+_IN_USE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def models_in_use(*models):
+    """Hold the models for one run: every engine on them shares their caches, which hold the run's requests. A run
+    on them from another thread waits until this one returns; from this thread (on_tokens, on_result) it would
+    overwrite this run's requests, and is refused. Models are taken in one fixed order, so two runs that share
+    one of their models cannot each wait for the other."""
+    me = threading.get_ident()
+    with _IN_USE_LOCK:
+        marks = [_IN_USE.setdefault(m, InUse()) for m in sorted({id(m): m for m in models if m is not None}.values(),
+                                                                 key=id)]
+    if any(mark.owner == me for mark in marks):
+        raise RuntimeError("generate() is already running on these models in this thread (called from on_tokens "
+                           "or on_result?): their caches hold that run's requests; call it once the run returns, "
+                           "or load a second copy of the models")
+    held = []
+    try:
+        for mark in marks:
+            mark.lock.acquire()
+            mark.owner = me
+            held.append(mark)
+        yield
+    finally:
+        for mark in reversed(held):
+            mark.owner = None
+            mark.lock.release()
 
 
 def prefill_chunk(device_type: str) -> int:

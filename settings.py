@@ -2,11 +2,11 @@
 
 A run's settings travel as two dataclasses: sampler.Sampling (how the target's tokens are drawn) and Speculation
 (how a speculative round drafts). Input is checked once, where it enters, and everything past that boundary
-assumes it is valid: generate() and generate_batch() check their arguments here (check_settings, check_request);
-loading checks the checkpoint files and whether a drafter fits its target (loading.py, loading.check_pair); the
-command line checks what only it has (text to numbers, which options apply, the prompt's text) and turns every
-ValueError / TypeError into one `error:` line, exit 2. The one check left inside the rounds is what no boundary
-can foresee: non-finite logits or probabilities (ddtree.Engine.pick).
+assumes it is valid: generate() and generate_batch() check their arguments here (check_settings, check_models,
+check_request); loading checks the checkpoint files and whether a drafter fits its target (loading.py,
+loading.check_pair); the command line checks what only it has (text to numbers, which options apply, the prompt's
+text) and turns every ValueError / TypeError into one `error:` line, exit 2. The one check left inside the
+rounds is what no boundary can foresee: non-finite logits or probabilities (ddtree.Engine.pick).
 """
 
 import math
@@ -127,7 +127,6 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
     """The requests checked against the models; returns the prompts as lists, one seed per prompt (None drawn
     fresh from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs) and the
     stop ids as a set. Errors about one of several prompts name it."""
-    check_models(target, drafter, method)
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of prompts (each a list of token ids or a 1-D integer tensor), got "
                         f"{reprlib.repr(prompts)}")

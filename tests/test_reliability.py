@@ -9,6 +9,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from ddtree import generate
+from ddtree import generate, generate_batch
 from drafter import DFlashDrafter
 from model import Qwen3
 from settings import Speculation, applies, grouped
@@ -236,6 +238,50 @@ def test_integer_tensors_and_tuples_are_prompts(pair):
     ref = greedy_ar(target, [3, 4, 5], 5)
     for prompt in (torch.tensor([3, 4, 5]), torch.tensor([3, 4, 5], dtype=torch.int32), (3, 4, 5)):
         assert generate(target, None, prompt, method="ar", max_new_tokens=5, stop_ids=[]).tokens == ref
+
+
+# ---- concurrent callers ----------------------------------------------------------------------------------------
+
+
+def test_a_call_from_a_callback_on_the_same_models_is_refused(pair):
+    """The models' caches hold the running requests: generate() from on_tokens or on_result on the same models is
+    one clear RuntimeError, and the models serve the next call as before."""
+    target, drafter = pair
+    again = lambda *_: generate(target, None, [5], method="ar", max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="already running on these models in this thread"):
+        generate(target, drafter, [3, 4], budget=4, max_new_tokens=6, on_tokens=again)
+    with pytest.raises(RuntimeError, match="already running on these models in this thread"):
+        generate_batch(target, drafter, [[3, 4], [5, 6, 7]], budget=4, max_new_tokens=6, stop_ids=[],
+                       on_result=again)
+    assert generate(target, None, [3, 4], method="ar", max_new_tokens=6, stop_ids=[]).tokens == \
+        greedy_ar(target, [3, 4], 6)
+
+
+def test_two_threads_on_the_same_models_take_turns(pair):
+    """A second thread's run on the models waits until the first returns: both get their lone runs' tokens."""
+    target, drafter = pair
+    kw = dict(method="ddtree", budget=4, max_new_tokens=20, stop_ids=[])
+    alone = {p: generate(target, drafter, list(p), **kw).tokens for p in ((3, 4), (9, 8, 7))}
+    results, errors = {}, []
+
+    def run(prompt, on_tokens=None):
+        try:
+            results[prompt] = generate(target, drafter, list(prompt), on_tokens=on_tokens, **kw).tokens
+        except Exception as e:  # noqa: BLE001 (the test reports it)
+            errors.append(e)
+
+    other = threading.Thread(target=run, args=((9, 8, 7),))
+
+    def start_the_other_mid_run(new):  # the first run's first tokens: the other thread starts, and waits
+        if not other.is_alive() and not other.ident:
+            other.start()
+            time.sleep(0.3)
+
+    first = threading.Thread(target=run, args=((3, 4), start_the_other_mid_run))
+    first.start()
+    first.join(60)
+    other.join(60)
+    assert not errors and results == alone
 
 
 # ---- property test: generate() with generated arguments --------------------------------------------------------
