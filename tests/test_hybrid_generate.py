@@ -221,3 +221,22 @@ def test_hybrid_series_solve_in_the_engine_equals_ar(pair, monkeypatch):
         deepest = max(deepest, max(res.stats["accepted"]))
     assert deepest >= 5
     assert set(steps) == {drafter.block_size - 1}  # the series ran, as deep as a draft can go
+
+
+def test_bf16_hybrid_moe_ddtree_equals_ar(tmp_path, one_thread):
+    """In bf16, where one rounding can flip an argmax, greedy ddtree gives ar's tokens on a random hybrid MoE:
+    the tree's conv sums each row's taps in the chain's order, in float32, so a tree row's conv output is the
+    chain's bit for bit (with the taps summed in bf16 in the tree's own order, ddtree left ar on the first prompt
+    here; on 16 of 16 runs of 48 tokens at B = 16 and 64, docs/benchmarks.md)."""
+    from checkpoints import hybrid_text_config, random_hybrid_model, save_hybrid
+    hf = random_hybrid_model(hybrid_text_config(moe=True), moe=True, seed=0)
+    save_hybrid(hf, str(tmp_path / "target"))
+    tc = dict(hf.config.to_dict(), rope_theta=10000.0, intermediate_size=96)
+    dc = dflash_config(tc, layers=1, block_size=8, target_layer_ids=[1, 2])
+    save_checkpoint(str(tmp_path / "draft"), dc, random_dflash_weights(dc, seed=3, std=0.05))
+    target = Qwen3.from_pretrained(str(tmp_path / "target"), device="cpu", dtype=torch.bfloat16)
+    drafter = DFlashDrafter.from_pretrained(str(tmp_path / "draft"), device="cpu", dtype=torch.bfloat16)
+    for prompt in random_prompts(2, 256, 20, seed=1):
+        ar = greedy(target, None, prompt, method="ar", max_new_tokens=24)
+        tree = greedy(target, drafter, prompt, budget=16, max_new_tokens=24)
+        assert tree.tokens == ar.tokens
