@@ -74,11 +74,13 @@ def random_tree(budget: int, seed: int = 0):
     return parents, depths
 
 
-def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 256, seed: int = 0):
+def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 256, seed: int = 0,
+                feature_layers=()):
     """A zero-argument callable running one verify forward of budget + 1 rows (a batch of one request) as
     Engine.verify runs it: a random tree after `prompt_len` committed slots, RoPE positions prompt_len + depth,
-    cache slots prompt_len + row, the ancestor mask (built here, once), and the recurrent layers in tree mode
-    (their pending k, u and G, which the commit reads, are returned with the logits, so nothing is left out).
+    cache slots prompt_len + row, the ancestor mask (built here, once), the outputs of `feature_layers` (a
+    drafter's context features, as the round asks for them), and the recurrent layers in tree mode (their pending
+    k, u and G, which the commit reads, are returned with the logits, so nothing is left out).
     The caches hold zeros (the values do not change the work). compile: torch.compile fullgraph (CUDA graphs on a
     GPU, as the engine compiles its round)."""
     dev, n = target.device, budget + 1
@@ -97,8 +99,9 @@ def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 25
 
     def forward(tokens, positions, slots, block_mask, parents, anc):
         tree = Recurrent.tree(parents, anc, depth)
-        logits, _ = target(tokens, positions, slots, block_mask, recurrent=tree)
-        return (logits, *(t for i in sorted(tree.pending) for t in tree.pending[i][1:]))
+        logits, features = target(tokens, positions, slots, block_mask, feature_layers=feature_layers,
+                                  recurrent=tree)
+        return (logits, features, *(t for i in sorted(tree.pending) for t in tree.pending[i][1:]))
 
     if compile:
         forward = torch.compile(forward, dynamic=False, fullgraph=True,

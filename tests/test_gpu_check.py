@@ -1,38 +1,76 @@
-"""scripts/gpu_check.py, run as on the GPU but on the CPU, eagerly and on small models: every section of every
-part must come back ok, so that the script itself is not what fails on the day a GPU is lent."""
+"""scripts/gpu_check.py's machinery, on the CPU with small shapes (eager where the point is not compiling, so that
+it stays quick): the named parts run in the order given, each recorded with its measures; a part that fails is an
+error, one that overruns its alarm a timeout, one priced past the deadline skipped, and any of these makes the
+exit status 1; bad arguments are one error line and exit 2. The full smoke run, every part compiled, is
+`python scripts/gpu_check.py --device cpu --small --json PATH` (docs/benchmarks.md)."""
 
 import json
 import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch
+
+from conftest import assert_one_error_line
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_check.py")
 
 
-def test_gpu_check_runs_every_section_on_the_cpu(tmp_path):
+def gpu_check(tmp_path, *args):
+    """(exit status, stdout, stderr, the JSON or None) of one call on the CPU with small shapes."""
     out = tmp_path / "gpu_check.json"
-    args = ["--device", "cpu", "--small", "--eager", "--json", str(out), "--budgets", "16", "4", "--e2e-budget", "4",
-            "--pair-budgets", "4", "16", "--pair-modes", "eager", "--sampled-batches", "1", "2", "--prefill-lengths",
-            "300", "--batch-budgets", "4", "--batches", "2", "--moe-budgets", "4", "--hybrid-budgets", "4", "16",
-            "--hybrid-series-budgets", "16", "--repeats", "2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DDTREE_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), *args], capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    sections = result["sections"]
-    assert not result["sections_not_ok"], {k: sections[k] for k in result["sections_not_ok"]}
-    for name in ("flex vs sdpa", "bundled pair", "AR step eager", "round B=16", "end to end", "sampled B=512",
-                 "long prefill", "batched B=4 batch 2", "budget auto", "layers compiled once A/B", "MoE expert paths",
-                 "MoE AR step", "MoE verify B=4", "hybrid target", "hybrid AR step eager", "hybrid verify B=4",
-                 "hybrid verify B=16", "hybrid verify B=16 series"):
-        assert sections[name]["status"] == "ok", name
-    assert all(case["status"] == "ok" for case in result["flex_vs_sdpa"].values())
-    pair = result["bundled_pair"]
-    assert set(pair) == {"eager/dflash", "eager/ddtree-B4", "eager/ddtree-B16", "eager/auto-forced",
-                         "eager/batch-shrinking"}
-    assert all(case["status"] == "ok" and case["equal_to_eager_ar"] for case in pair.values()), pair
-    hybrid = result["hybrid"]  # a Gated DeltaNet target: the tree verify ran through its recurrent layers
-    assert set(hybrid["verify_ms"]) == {"4", "16"} and hybrid["state_gb_per_request"] > 0, hybrid
-    assert set(hybrid["verify_series_ms"]) == {"16"}, hybrid
-    assert result["versions"]["torch"] == __import__("torch").__version__
+    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--small", "--json", str(out), *args],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return proc.returncode, proc.stdout, proc.stderr, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_named_parts_run_in_order_and_report_their_measures(tmp_path):
+    parts = ["verify-curve", "hybrid-rule", "round-profile", "ar-profile", "projection"]
+    code, stdout, stderr, result = gpu_check(tmp_path, "--eager", "--parts", *parts, "--verify-budgets", "4",
+                                             "--repeats", "2")
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert list(result["parts"]) == parts
+    starts = [line.split("] ")[1].split(":")[0] for line in stdout.splitlines() if ": starts (priced at" in line]
+    assert starts == parts
+    for name, part in result["parts"].items():
+        assert part["status"] == "ok", (name, part)
+        assert part["seconds"] > 0 and part["recompiles"] == 0 and part["compile_s"] == 0 and "peak_gb" in part
+    assert result["not_ok"] == [] and result["versions"]["torch"] == torch.__version__
+    ar = result["parts"]["ar-profile"]["result"]
+    assert 0 < ar["floor_ms"] and ar["bytes_gb"]["total"] > ar["bytes_gb"]["weights"] > 0
+    assert ar["profile"]["per_step"] > 0 and ar["profile"]["top"]
+    stages = result["parts"]["round-profile"]["result"]["64"]["stages_ms"]
+    assert list(stages) == ["draft", "tree", "mask", "verify", "accept", "commit"]
+    rule = result["parts"]["hybrid-rule"]["result"]
+    assert set(rule) == {f"R{r}-{s}" for r in (65, 257, 513) for s in ("triangular", "series")}
+    projection = result["parts"]["projection"]["result"]
+    for row in projection["rows"].values():  # tau x AR step / round, the verifies it lacked measured by itself
+        assert row["projected_speedup"] == row["tau"] * projection["ar_ms"] / row["round_ms"] > 0
+    assert set(result["parts"]["verify-curve"]["result"]) == {"4"}
+
+
+def test_a_failing_part_and_an_overrunning_one_end_not_ok_and_the_run_goes_on(tmp_path):
+    # ar-profile compiles (seconds on any machine) under a 1-second alarm; hybrid-rule fails as it starts
+    code, stdout, stderr, result = gpu_check(tmp_path, "--parts", "ar-profile", "hybrid-rule", "--part-seconds", "1",
+                                             "--plant-failure", "hybrid-rule")
+    assert code == 1, stdout[-3000:] + stderr[-3000:]
+    parts = result["parts"]
+    assert parts["ar-profile"]["status"] == "timeout", parts["ar-profile"]
+    assert parts["hybrid-rule"]["status"] == "error" and "planted failure" in parts["hybrid-rule"]["traceback"]
+    assert result["not_ok"] == ["ar-profile", "hybrid-rule"]
+
+
+def test_a_part_priced_past_the_deadline_is_skipped(tmp_path):
+    code, stdout, stderr, result = gpu_check(tmp_path, "--eager", "--parts", "hybrid-rule", "--deadline", "1")
+    assert code == 1, stdout[-3000:] + stderr[-3000:]
+    part = result["parts"]["hybrid-rule"]
+    assert part["status"] == "skipped" and "deadline" in part["why"] and "seconds" not in part
+
+
+def test_bad_arguments_are_one_error_line(tmp_path):
+    cases = [(["--device", "tpu"], "tpu"), (["--parts", "nope"], "nope")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "no such CUDA device"))
+    for args, message in cases:
+        proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120)
+        assert_one_error_line(proc.returncode, proc.stderr, message)
