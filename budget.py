@@ -91,21 +91,27 @@ def load_costs(key: str) -> dict | None:
     costs = everything.get(key)
     if costs is None:
         return None
-    if not (isinstance(costs, dict) and all(is_cost(v) for v in costs.values())):
+    if not (isinstance(costs, dict) and all(is_cost(v, untimed=c not in TIMED) for c, v in costs.items())):
         warnings.warn(f"ignoring the calibration in {path}: its round times are not positive numbers; "
                       f"calibrating again")
         return None
     return costs
 
 
-def is_cost(value) -> bool:
-    """A calibrated round time: positive seconds, or None for a candidate that was not timed (pruned)."""
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and
-                             0 < value < float("inf"))
+TIMED = ("ar", "chain")  # the candidates a calibration always times (only trees can be too slow to time)
+
+
+def is_cost(value, untimed: bool = True) -> bool:
+    """A calibrated round time: positive seconds, or (untimed) None for a tree that was not timed (pruned)."""
+    if value is None:
+        return untimed
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 def read_cache(path: str) -> dict:
     """The cache file's calibrations ({} when there is none, or with one warning when it cannot be used)."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a directory, a FIFO (whose open would wait for a
+        return {}  # writer): save_costs says it cannot write there, once
     try:
         with open(path) as f:
             everything = json.load(f)
@@ -131,6 +137,8 @@ def save_costs(key: str, costs: dict):
     everything[key] = costs
     temporary = f"{path}.{os.getpid()}"
     try:
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise OSError("not a regular file")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(temporary, "w") as f:
             json.dump(everything, f, indent=1)

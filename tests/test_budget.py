@@ -119,7 +119,7 @@ def test_calibration_is_cached_and_reused(pair, monkeypatch, tmp_path):
     assert len(json.loads((tmp_path / "costs.json").read_text())) == 1
 
 
-@pytest.mark.parametrize("contents", ["[]", "null", '"costs"', "7", "ZERO", "NEGATIVE", "STRING", "LIST"])
+@pytest.mark.parametrize("contents", ["[]", "null", '"costs"', "7", "ZERO", "NEGATIVE", "STRING", "LIST", "AR_NULL"])
 def test_a_cost_cache_that_cannot_be_used_is_ignored_with_one_warning(pair, monkeypatch, tmp_path, contents):
     # Whatever the file holds, the run goes on: one warning naming the file, a new calibration, the file replaced.
     target, drafter = pair
@@ -130,8 +130,11 @@ def test_a_cost_cache_that_cannot_be_used_is_ignored_with_one_warning(pair, monk
         generate(target, drafter, [3, 4, 5], budget="auto", max_new_tokens=4)
         stored = json.loads(path.read_text())
         key = next(iter(stored))
-        bad = {"ZERO": 0, "NEGATIVE": -1.0, "STRING": "fast", "LIST": [1]}[contents]
-        stored[key] = {c: bad for c in stored[key]}
+        if contents == "AR_NULL":  # None is a tree's "not timed", never plain decoding's
+            stored[key]["ar"] = None
+        else:
+            bad = {"ZERO": 0, "NEGATIVE": -1.0, "STRING": "fast", "LIST": [1]}[contents]
+            stored[key] = {c: bad for c in stored[key]}
         contents = json.dumps(stored)
         ddtree._ENGINES.clear()
     path.write_text(contents)
@@ -144,12 +147,16 @@ def test_a_cost_cache_that_cannot_be_used_is_ignored_with_one_warning(pair, monk
     assert isinstance(stored, dict) and all(v is None or v > 0 for c in stored.values() for v in c.values())
 
 
-@pytest.mark.parametrize("where", ["costs.json is a directory", "cache dir is a file", "cache dir is read-only"])
+@pytest.mark.parametrize("where", ["costs.json is a directory", "costs.json is a FIFO", "cache dir is a file",
+                                   "cache dir is read-only"])
 def test_an_unwritable_cost_cache_keeps_the_calibration_and_generates(pair, monkeypatch, tmp_path, where):
     target, drafter = pair
     root = tmp_path / "cache"
     if where == "costs.json is a directory":
         (root / "costs.json").mkdir(parents=True)
+    elif where == "costs.json is a FIFO":  # opening it to read would wait for a writer
+        root.mkdir()
+        os.mkfifo(root / "costs.json")
     elif where == "cache dir is a file":
         root.write_text("not a directory")
     else:
