@@ -13,11 +13,26 @@ from dataclasses import dataclass, field
 import torch
 
 
+NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
+              "dtype)")
+
+
 @dataclass
 class Result:
     tokens: list[int]
     stats: dict = field(default_factory=dict)
     trees: list = field(default_factory=list)  # with show_tree: (tokens, parents, depths, path, length) per round
+    error: str | None = None  # why the request ended before its end (its tokens: those emitted until then)
+
+
+class RequestsFailed(ValueError):
+    """Raised once every request has ended, when some failed (Result.error): `results` holds every request's
+    Result, the failed ones' and the rest, complete."""
+
+    def __init__(self, results: list[Result]):
+        self.results = results
+        failed = [(i, r.error) for i, r in enumerate(results) if r.error is not None]
+        super().__init__("; ".join(error if len(results) == 1 else f"prompt {i}: {error}" for i, error in failed))
 
 
 def run_waves(engine_for, prompts: list, seeds: list, stop: set, max_new_tokens: int, max_batch: int, on_tokens,
@@ -53,6 +68,7 @@ def run_requests(engine, prompts: list, seeds: list, stop: set, max_new_tokens: 
     engine_for(batch): an engine of the same settings for a smaller batch. The rows of a request that has ended
     still run (static shapes), so once the running requests fit a smaller power of two they move to such an
     engine: a batch whose requests end at different rounds no longer runs every round at its starting size.
+    A request whose draws were not sound (the engine's None for it) ends with Result.error, the others go on.
     ended(i, Result): called as request i ends, its stats complete."""
     compile_seconds = engine.warm_up()
     t0, compiling = time.perf_counter(), 0.0  # compiling: seconds since t0 spent warming up smaller engines
@@ -60,10 +76,26 @@ def run_requests(engine, prompts: list, seeds: list, stop: set, max_new_tokens: 
     live = set(range(len(prompts)))
     rows = list(range(len(prompts)))  # the request in each engine row
 
+    def end(i, row, error=None):
+        live.discard(i)
+        engine.finish(row)
+        r = results[i]
+        r.error = error
+        s, rounds = r.stats, len(r.stats["accepted"])
+        s.update(seconds=time.perf_counter() - t0 - compiling, new_tokens=len(r.tokens), rounds=rounds,
+                 tau=sum(s["accepted"]) / rounds if rounds else 0.0, compile_seconds=compile_seconds,
+                 batch=len(prompts))
+        s["tokens_per_s"] = len(r.tokens) / s["seconds"] if s["seconds"] > 0 else 0.0
+        if ended is not None:
+            ended(i, r)
+
     def emit_each(new_per_row, is_round=True):
         for row, (new, tree) in enumerate(new_per_row[:len(rows)]):
             i = rows[row]
             if i not in live:
+                continue
+            if new is None:  # its logits or draws were not sound: it ends here, and the others go on
+                end(i, row, NON_FINITE)
                 continue
             r = results[i]
             before = len(r.tokens)
@@ -74,17 +106,9 @@ def run_requests(engine, prompts: list, seeds: list, stop: set, max_new_tokens: 
             if tree is not None:
                 r.trees.append(tree)
             if done:
-                live.discard(i)
-                engine.finish(row)
-                s, rounds = r.stats, len(r.stats["accepted"])
-                s.update(seconds=time.perf_counter() - t0 - compiling, new_tokens=len(r.tokens), rounds=rounds,
-                         tau=sum(s["accepted"]) / rounds if rounds else 0.0, compile_seconds=compile_seconds,
-                         batch=len(prompts))
-                s["tokens_per_s"] = len(r.tokens) / s["seconds"] if s["seconds"] > 0 else 0.0
-                if ended is not None:
-                    ended(i, r)
+                end(i, row)
 
-    emit_each([([t], None) for t in engine.start(prompts, seeds)], is_round=False)
+    emit_each([(None if t is None else [t], None) for t in engine.start(prompts, seeds)], is_round=False)
     while live:
         emit_each(engine.step())
         if engine_for is not None and live and batch_bucket(len(live), engine.batch) < engine.batch:

@@ -320,11 +320,15 @@ class AutoBudget:
         new = engine.step()
         seconds = time.perf_counter() - t0
         self.current = engine
+        # A request whose draws were not sound (None) ends now, and its round tells nothing.
+        running = [r and tokens is not None for r, (tokens, _) in zip(running, new)]
         for i, (tokens, _) in enumerate(new[:len(self.history)]):
             if running[i]:
                 self.history[i] += tokens
-        self.observe(candidate, engine, running, seconds)
         self.schedule.append(name(candidate))
+        if not any(running):  # the batch's last round
+            return new
+        self.observe(candidate, engine, running, seconds)
         # Catching up to switch back to speculation is exploring too: it counts against PROBE_SHARE.
         self.seconds += seconds + catch_up
         self.catch_up_seconds += catch_up

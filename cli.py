@@ -1,7 +1,9 @@
 """The command line of `python ddtree.py`: flags to generate()'s settings, text in and out, one `error:` line for
-bad input, Ctrl-C and closed pipes handled. The engine never imports this file."""
+bad input, Ctrl-C / SIGTERM and closed pipes or streams handled. The engine never imports this file."""
 
 import argparse
+import codecs
+import contextlib
 import json
 import os
 import re
@@ -10,7 +12,9 @@ import sys
 import threading
 import time
 import warnings
+from typing import NamedTuple
 
+from batch import RequestsFailed
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate, generate_batch
 from draft_tree import format_tree
 from drafter import DFlashDrafter
@@ -107,44 +111,56 @@ def compile_mode(args) -> bool | str:
     return "max-autotune" if args.max_autotune else bool(args.compile)
 
 
+def check_source(args):
+    """What goes with --prompt and what with --prompts-file (whose output is one JSON line per request)."""
+    if args.prompts_file:
+        for flag, given in (("--json", args.json), ("--show-tree", args.show_tree)):
+            if given:
+                raise ValueError(f"{flag} goes with --prompt (--prompts-file prints one JSON line per request)")
+    elif args.batch_size is not None:
+        raise ValueError("--batch-size goes with --prompts-file")
+
+
 def run_cli(args) -> int:
+    if sys.stdout is None:  # closed when the run started: the text would be lost
+        raise ValueError("stdout is closed: the generated text would go nowhere")
+    check_source(args)
     settings = settings_from_args(args)  # before loading anything
     compile_mode(args)
-    requests = read_prompts_file(args.prompts_file) if args.prompts_file else [(check_text(args.prompt), None)]
-    if args.batch_size is not None and not args.prompts_file:
-        raise ValueError("--batch-size goes with --prompts-file")
+    requests = read_prompts_file(args.prompts_file) if args.prompts_file else \
+        [Request(None, check_text(args.prompt), None)]
     target = Qwen3.from_pretrained(args.target, device=args.device, dtype=args.dtype)
     text = Text(target.path)
     chat = args.chat if args.chat is not None else bool(text.chat_template)
     if chat and not text.chat_template:
         raise ValueError(f"{args.target}: --chat asked for, but the checkpoint has no chat template")
-    prompts = [text.encode(text.render_chat(prompt) if chat else prompt) for prompt, _ in requests]
-    if not all(prompts):
-        raise ValueError("the prompt is empty")
+    prompts = [text.encode(text.render_chat(r.prompt) if chat else r.prompt) for r in requests]
+    for request, prompt in zip(requests, prompts):
+        if not prompt:
+            raise ValueError(f"{located(args, request)}the prompt is empty")
     drafter = None
     if args.method != "ar":
         drafter = DFlashDrafter.from_pretrained(args.draft or DEFAULT_DRAFT, device=target.device,
                                                 dtype=target.dtype)
     if args.prompts_file:
-        return run_batch(args, target, drafter, text, prompts, [seed for _, seed in requests], settings)
+        return run_batch(args, target, drafter, text, prompts, requests, settings)
     streamer = Streamer(text, None if args.json else sys.stdout)
     try:
         res = generate(target, drafter, prompts[0], method=args.method, compile=compile_mode(args),
                        on_tokens=streamer, **grouped(settings))
-    except KeyboardInterrupt:
-        # What was committed stays printed; the summary says where it stopped. 130 = 128 + SIGINT, as shells do.
+    except KeyboardInterrupt as e:
+        # What was committed stays printed; the summary says where it stopped.
         if args.json:
             print(json.dumps(dict(text=text.decode(streamer.ids), tokens=streamer.ids, interrupted=True)))
         else:
             print()
-        print(f"[{args.method}] interrupted after {len(streamer.ids)} tokens", file=sys.stderr)
-        return 130
+        say(f"[{args.method}] {stopped(e)} after {len(streamer.ids)} tokens")
+        return stop_status(e)
     if args.show_tree and res.trees:
         tokens, parents, depths, path, length = res.trees[0]
-        print(f"\nround 1 tree ({args.method}, {int((parents >= 0).sum())} nodes; ✓ accepted):", file=sys.stderr)
-        print(format_tree(tokens, parents, accepted_rows=path[:length], decode=lambda t: repr(text.decode([t])),
-                          root=repr(text.decode(res.tokens[:1]))),
-              file=sys.stderr)
+        say(f"\nround 1 tree ({args.method}, {int((parents >= 0).sum())} nodes; ✓ accepted):")
+        say(format_tree(tokens, parents, accepted_rows=path[:length], decode=lambda t: repr(text.decode([t])),
+                        root=repr(text.decode(res.tokens[:1]))))
     s = res.stats
     if args.json:
         print(json.dumps(dict(text=text.decode(res.tokens), tokens=res.tokens, stats=s)))
@@ -152,10 +168,10 @@ def run_cli(args) -> int:
         print()
         compiled = f" (+{s['compile_seconds']:.1f} s {warm_up_label(args)})" if s["compile_seconds"] else ""
         templated = "; the prompt went through the chat template (--no-chat: as written)" if chat else ""
-        print(f"[{s['method']}] {s['new_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
-              f"{s['tokens_per_s']:.1f} tokens/s{compiled}{templated}", file=sys.stderr)
+        say(f"[{s['method']}] {s['new_tokens']} tokens in {s['rounds']} rounds, tau {s['tau']:.2f}, "
+            f"{s['tokens_per_s']:.1f} tokens/s{compiled}{templated}")
         if "auto" in s:
-            print(auto_summary(s["auto"]), file=sys.stderr)
+            say(auto_summary(s["auto"]))
     return 0
 
 
@@ -170,40 +186,51 @@ def auto_summary(a: dict) -> str:
             f"{calibration} in {a['cost_file']}")
 
 
-def run_batch(args, target, drafter, text, prompts, seeds, settings) -> int:
+def run_batch(args, target, drafter, text, prompts, requests, settings) -> int:
     """--prompts-file: every request through generate_batch; one JSON line per request (with its index) as soon as
-    it ends; a summary line on stderr. --seed S gives request i the seed S + i unless its line has its own."""
+    it ends, or for a request that failed alone an `error:` line naming its line of the file (the others go on,
+    and the exit status is 2); a summary line on stderr. --seed S gives request i the seed S + i unless its line has
+    its own."""
     base = settings.pop("seed", None)
-    seeds = [s if s is not None else (None if base is None else base + i) for i, s in enumerate(seeds)]
+    seeds = [r.seed if r.seed is not None else (None if base is None else base + i) for i, r in enumerate(requests)]
     batch = as_int("--batch-size", args.batch_size) if args.batch_size is not None else 16
     check_int("--batch-size", batch, 1)
     t0 = time.perf_counter()
     done = []
 
     def print_line(i, res):  # as each request ends: Ctrl-C later keeps every line printed so far
-        print(json.dumps(dict(index=i, text=text.decode(res.tokens), tokens=res.tokens, stats=res.stats)),
-              flush=True)
+        if res.error is not None:
+            say(f"error: {located(args, requests[i])}{res.error}")
+        else:
+            print(json.dumps(dict(index=i, text=text.decode(res.tokens), tokens=res.tokens, stats=res.stats)),
+                  flush=True)
         done.append(i)
 
     try:
         results = generate_batch(target, drafter, prompts, method=args.method, compile=compile_mode(args),
                                  seeds=seeds, max_batch=batch, on_result=print_line, **grouped(settings))
-    except KeyboardInterrupt:
-        print(f"[{args.method}] interrupted after {len(done)} of {len(prompts)} requests", file=sys.stderr)
-        return 130
+    except RequestsFailed as e:  # each failed request has had its error line
+        results = e.results
+    except (ValueError, TypeError) as e:  # an error about "prompt i" is one about its line of the file
+        raise type(e)(re.sub(r"^prompt (\d+): ", lambda m: located(args, requests[int(m[1])]), str(e))) from None
+    except KeyboardInterrupt as e:
+        say(f"[{args.method}] {stopped(e)} after {len(done)} of {len(prompts)} requests")
+        return stop_status(e)
     seconds = time.perf_counter() - t0
-    total = sum(len(r.tokens) for r in results)
+    ok = [r for r in results if r.error is None]
+    total = sum(len(r.tokens) for r in ok)
     # compile_seconds grows as a batch runs (a smaller engine's first warm-up): its last request's is the batch's
     compiling = sum(max(r.stats["compile_seconds"] for r in results[i:i + batch])
                     for i in range(0, len(results), batch))
-    print(f"[{args.method}] {len(results)} requests in batches of up to {batch}: {total} tokens, "
-          f"{total / max(seconds - compiling, 1e-9):.1f} tokens/s" +
-          (f" (+{compiling:.1f} s {warm_up_label(args)})" if compiling else ""), file=sys.stderr)
+    count = f"{len(ok)} of {len(results)}" if len(ok) < len(results) else f"{len(results)}"
+    say(f"[{args.method}] {count} requests in batches of up to {batch}: {total} tokens, "
+        f"{total / max(seconds - compiling, 1e-9):.1f} tokens/s" +
+        (f" (+{compiling:.1f} s {warm_up_label(args)})" if compiling else ""))
     if settings.get("budget") == "auto":  # one line per batch: each batch chooses on its own
         for i in range(0, len(results), batch):
             last = max(results[i:i + batch], key=lambda r: len(r.stats["auto"]["schedule"]))  # the final report
-            print(auto_summary(last.stats["auto"]), file=sys.stderr)
-    return 0
+            say(auto_summary(last.stats["auto"]))
+    return 0 if len(ok) == len(results) else 2
 
 
 def warm_up_label(args) -> str:
@@ -225,43 +252,61 @@ def check_text(prompt: str) -> str:
     return prompt
 
 
-def read_prompts_file(path: str) -> list[tuple[str, int | None]]:
-    """(prompt, seed or None) per non-blank line of a --prompts-file: a JSON string, or an object with "prompt"
-    and optionally "seed"."""
+class Request(NamedTuple):
+    line: int | None  # its line in --prompts-file (None: --prompt)
+    prompt: str
+    seed: int | None
+
+
+def located(args, request: Request) -> str:
+    """Where a request came from, as an error message starts: "FILE line N: " (nothing for --prompt)."""
+    return "" if request.line is None else f"{args.prompts_file} line {request.line}: "
+
+
+def read_prompts_file(path: str) -> list[Request]:
+    """A Request per non-blank line of a --prompts-file: a JSON string, or an object with "prompt" and optionally
+    "seed". Lines end at a newline only (str.splitlines() would also cut a JSON string at an unescaped U+2028,
+    U+2029 or U+0085); each is decoded on its own, so that a byte that is not UTF-8 names its line."""
+    with open(path, "rb") as f:
+        data = f.read().removeprefix(codecs.BOM_UTF8)  # a byte-order mark, as some editors write, is not text
     requests = []
-    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark, as some editors write, is not text
-        try:
-            lines = f.read().splitlines()
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}: not UTF-8 text") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, raw in enumerate(data.split(b"\n"), 1):
         where = f"{path} line {number}"
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg})") from None
-        if isinstance(item, str):
-            item = {"prompt": item}
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or \
-                set(item) - {"prompt", "seed"}:
-            raise ValueError(f'{where}: expected a JSON string or an object {{"prompt": str, "seed": int}}')
-        seed = item.get("seed")
-        if seed is not None:
-            check_int(f"{where}: seed", seed, 0)
-        try:
-            requests.append((check_text(item["prompt"]), seed))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            line = raw.removesuffix(b"\r").decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+        if line.strip():
+            requests.append(parse_request(line, number, where))
     if not requests:
         raise ValueError(f"{path}: no prompts")
     return requests
 
 
+def parse_request(line: str, number: int, where: str) -> Request:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: not JSON (nested too deeply)") from None
+    except ValueError as e:  # valid JSON Python will not read, such as an integer of over 4,300 digits
+        raise ValueError(f"{where}: {str(e).split(';')[0]}") from None
+    if isinstance(item, str):
+        item = {"prompt": item}
+    if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or set(item) - {"prompt", "seed"}:
+        raise ValueError(f'{where}: expected a JSON string or an object {{"prompt": str, "seed": int}}')
+    seed = item.get("seed")
+    if seed is not None:
+        check_int(f"{where}: seed", seed, 0)
+    try:
+        return Request(number, check_text(item["prompt"]), seed)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def main(argv=None) -> int:
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is a KeyboardInterrupt from here on
+    handlers = catch_stop_signals()
     try:
         with warnings.catch_warnings():
             warnings.showwarning = print_warning
@@ -270,11 +315,58 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError) as e:
         if isinstance(e, BrokenPipeError):
             return closed_pipe()
-        print(f"error: {in_flags(str(e))}", file=sys.stderr)
+        say(f"error: {in_flags(str(e))}")
         return 2
-    except KeyboardInterrupt:  # while loading
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # while loading
+        say(stopped(e))
+        return stop_status(e)
+    finally:
+        release_stop_signals(handlers)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, which ends a run as Ctrl-C does."""
+
+
+STOP_SIGNALS = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Terminated}
+
+
+def on_stop_signal(number, frame):
+    """Ctrl-C or SIGTERM: the run stops where it is and keeps what it printed. Later ones are ignored: the exit is
+    under way, and a second press would only interrupt its cleanup (an atexit traceback)."""
+    for other in STOP_SIGNALS:
+        signal.signal(other, signal.SIG_IGN)
+    raise STOP_SIGNALS[number]()
+
+
+def catch_stop_signals() -> dict:
+    """on_stop_signal for Ctrl-C and SIGTERM (where signals can be caught: the main thread); the handlers before."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {number: signal.signal(number, on_stop_signal) for number in STOP_SIGNALS}
+
+
+def release_stop_signals(handlers: dict):
+    """The handlers before main(), unless a stop signal came (then they stay ignored until the process ends)."""
+    for number, handler in handlers.items():
+        if signal.getsignal(number) is on_stop_signal:
+            signal.signal(number, handler)
+
+
+def stopped(e: KeyboardInterrupt) -> str:
+    return "terminated" if isinstance(e, Terminated) else "interrupted"
+
+
+def stop_status(e: KeyboardInterrupt) -> int:
+    """128 + the signal's number, as shells report it: 143 for SIGTERM, 130 for Ctrl-C."""
+    return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+
+
+def say(line: str):
+    """A line on stderr, or nowhere when stderr is closed (print(file=None) would write it to stdout, the text's)."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError):
+            print(line, file=sys.stderr, flush=True)
 
 
 # The API's parameter names that are CLI flags of another spelling: the command line speaks in flags.
@@ -290,7 +382,7 @@ def in_flags(message: str) -> str:
 
 def print_warning(message, category, filename, lineno, file=None, line=None):
     """The command line's warnings: one `warning:` line each, as its errors are one `error:` line."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    say(f"warning: {message}")
 
 
 def closed_pipe() -> int:

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import compiling
 import cpu
-from batch import Result, run_waves
+from batch import RequestsFailed, Result, run_waves
 from budget import AutoBudget, auto_budgets, auto_engine
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap
 from drafter import DFlashDrafter
@@ -108,7 +108,10 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     emitting while the rest go on. on_tokens(i, list[int]) streams request i's tokens; on_result(i, Result) gets
     request i's Result as soon as it ends (batch.run_waves). Batches are padded to a power of two, so a few
     compiled graphs serve every batch size, and a batch moves to the next smaller power of two as its requests
-    end (stats["batch"] is the size it started at). Other settings and stats: as generate().
+    end (stats["batch"] is the size it started at). A request whose logits or draws turn non-finite ends there
+    (its Result.error says so, its tokens are those emitted before) while the others go on; once every request
+    has ended, batch.RequestsFailed (a ValueError naming the failed prompts) is raised holding every Result.
+    Other settings and stats: as generate().
     """
     sampling, spec = check_settings(method, Sampling(temperature, top_k, top_p, min_p), budget, speculation)
     check_models(target, drafter, method)
@@ -123,12 +126,11 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
                                      auto=budgets)
 
         with torch.inference_mode():
-            return run_waves(engine_for, prompts, seeds, stop, max_new_tokens, max_batch, on_tokens, on_result,
-                             dict(method=method, budget=spec.budget))
-
-
-NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
-              "dtype)")
+            results = run_waves(engine_for, prompts, seeds, stop, max_new_tokens, max_batch, on_tokens, on_result,
+                                dict(method=method, budget=spec.budget))
+    if any(r.error is not None for r in results):
+        raise RequestsFailed(results)
+    return results
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -195,9 +197,9 @@ class Engine:
 
     # -- requests: start, then one step per round -----------------------------------------------------------------
 
-    def start(self, prompts: list[list[int]], seeds: list[int]) -> list[int]:
+    def start(self, prompts: list[list[int]], seeds: list[int]) -> list[int | None]:
         """Prefill the caches with up to `batch` prompts (rows past them run a one-token dummy); returns each
-        request's first new token (the prefill's one host read)."""
+        request's first new token (the prefill's one host read), None where its logits or draw were not sound."""
         n = len(prompts)
         self.setup_caches()
         self.guards_checked = False
@@ -208,11 +210,9 @@ class Engine:
         self.target.reset_recurrent()  # a recurrent layer's state starts empty (K/V need no reset: masks)
         token, ok = self.prefill(prompts)
         out = torch.cat([token, ok.long()]).tolist()
-        if not all(out[self.batch:self.batch + n]):
-            raise ValueError(NON_FINITE)
         self.token = token
         self.position = torch.tensor([len(p) for p in prompts], device=self.device)
-        return out[:n]
+        return [t if sound else None for t, sound in zip(out[:n], out[self.batch:self.batch + n])]
 
     def finish(self, i: int):
         """Request i has ended: it stops advancing (its rows keep running in the batch, in scratch slots past its
@@ -222,16 +222,14 @@ class Engine:
 
     def step(self) -> list[tuple[list[int], tuple | None]]:
         """One round for every request: per request, the new token ids (accepted drafts, then the target's own
-        next token; for ar just that token) and, with show_tree, the round's tree. Makes the round's one host
-        read."""
+        next token; for ar just that token; None where its logits or draws were not sound) and, with show_tree, the
+        round's tree. Makes the round's one host read."""
         rows, length, token, ok, tree, tally = self.run_round(self.token, self.position, *self.randomness())
         # The one host read: per request, its committed rows, their count, the next token, whether its draws were
         # sound, and for budget auto the tally.
         width = rows.shape[1]
         parts = [rows, length[:, None], token[:, None], ok.long()[:, None]] + ([] if tally is None else [tally])
         out = torch.cat(parts, dim=1).tolist()
-        if not all(r[width + 2] for r, g in zip(out, self.generators) if g is not None):  # running requests only
-            raise ValueError(NON_FINITE)
         self.last_lengths = [r[width] for r in out]
         self.last_tally = None if tally is None else [r[width + 3:] for r in out]
         # Under CUDA graphs a call's outputs live in a memory pool that any later compiled call (this engine's or
@@ -239,7 +237,7 @@ class Engine:
         # the store (tests/test_graph_pool.py emulates the pool on the CPU).
         self.token, self.position = token.clone(), self.position + length * self.live
         # rows[i, 0] is the previous token, emitted last step
-        return [(r[1:r[width]] + [r[width + 1]],
+        return [(r[1:r[width]] + [r[width + 1]] if r[width + 2] else None,
                  None if tree is None else tuple(t[i].clone() for t in tree) + (r[width],)) for i, r in enumerate(out)]
 
     def run_round(self, *args):

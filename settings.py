@@ -153,10 +153,11 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
         raise TypeError(f"on_tokens must be a function of (request index, list of token ids), got {on_tokens!r}")
     if on_result is not None and not callable(on_result):
         raise TypeError(f"on_result must be a function of (request index, Result), got {on_result!r}")
-    longest = max(map(len, checked))
+    index = max(range(len(checked)), key=lambda i: len(checked[i]))
+    longest, name = len(checked[index]), "" if single else f"prompt {index}: "  # the errors below name it
     limit = target.config.max_position_embeddings
     if longest + max_new_tokens > limit:
-        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+        raise ValueError(f"{name}prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"target's max_position_embeddings ({limit})")
     if method != "ar":
         drafter.bind(target)
@@ -167,7 +168,7 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
         # max_position_embeddings slots (rounded up to the attention block).
         rows = verify_rows(method, spec, drafter, AUTO_BUDGETS[:1])  # auto: its smallest tree must fit
         if longest + max_new_tokens + rows > round_up(limit):
-            raise ValueError(f"budget {spec.budget} is beyond what the cache can hold: prompt ({longest}) + "
+            raise ValueError(f"{name}budget {spec.budget} is beyond what the cache can hold: prompt ({longest}) + "
                              f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
     return checked, fresh, stop
 

@@ -187,6 +187,47 @@ def test_on_tokens_streams_each_request_by_index(pair):
     assert [streamed[i] for i in range(3)] == [r.tokens for r in results]
 
 
+def poison(monkeypatch, seed: int, from_call: int = 1):
+    """The request seeded `seed` gets unsound draws (as from NaN logits) from its from_call-th pick on (1: its
+    prefill); the other requests' draws are untouched. Returns the calls counted so far (clear() starts again)."""
+    pick, calls = ddtree.Engine.pick, []
+
+    def poisoned(engine, logits, noise):
+        tokens, ok = pick(engine, logits, noise)
+        rows = [g is not None and g.initial_seed() == seed for g in engine.generators]
+        calls.append(any(rows))
+        if sum(calls) >= from_call:
+            ok = ok & ~torch.tensor(rows, device=ok.device)
+        return tokens, ok
+
+    monkeypatch.setattr(ddtree.Engine, "pick", poisoned)
+    return calls
+
+
+@pytest.mark.parametrize("from_call", [1, 4], ids=["in its prefill", "mid-run"])
+def test_a_request_whose_logits_turn_non_finite_fails_alone(pair, monkeypatch, from_call):
+    """Its error is its own: the other requests of its batch (and of the next one) end as their lone runs, each
+    reported as it ends; the failed one ends with an error, and generate_batch raises once all have ended."""
+    target, drafter = pair
+    prompts, seeds = ragged_prompts(5, seed=3), [10, 11, 12, 13, 14]
+    kw = dict(method="ddtree", budget=4, max_new_tokens=16, stop_ids=[])
+    lone = [generate(target, drafter, p, seed=s, **kw) for p, s in zip(prompts, seeds)]
+    calls = poison(monkeypatch, seed=12, from_call=from_call)
+    with pytest.raises(ValueError, match="non-finite"):
+        generate(target, drafter, prompts[2], seed=12, **kw)
+    calls.clear()
+    reported = {}
+    with pytest.raises(batching.RequestsFailed, match="^prompt 2: the target produced non-finite") as failed:
+        generate_batch(target, drafter, prompts, seeds=seeds, max_batch=4, on_result=reported.__setitem__, **kw)
+    results = failed.value.results
+    assert sorted(reported) == [0, 1, 2, 3, 4] and all(reported[i] is results[i] for i in reported)
+    assert [r.error is None for r in results] == [True, True, False, True, True]
+    assert "non-finite" in results[2].error and results[2].tokens == lone[2].tokens[:len(results[2].tokens)]
+    assert (len(results[2].tokens) > 0) == (from_call > 1)
+    for i in (0, 1, 3, 4):
+        assert results[i].tokens == lone[i].tokens and results[i].stats["accepted"] == lone[i].stats["accepted"]
+
+
 # ---- the command line: --prompts-file ------------------------------------------------------------------------------
 
 
@@ -216,11 +257,47 @@ def test_prompts_file_gives_each_request_its_lone_result(tmp_path, one_thread):
     ("\n\n", [], "no prompts"),
     ('"x"\n', ["--batch-size", "0"], "--batch-size must be in"),
     ('"x"\n', ["--prompt", "y"], "not allowed with argument"),
+    ('"ok"\n' + "[" * 200_000 + "\n", [], "line 2: not JSON (nested too deeply)"),
+    ('"ok"\n{"prompt": "x", "seed": ' + "9" * 5000 + "}\n", [], "p.jsonl line 2: Exceeds the limit (4300 digits)"),
+    ('"ok"\n\n"x"\n', ["--json"], "--json goes with --prompt"),
+    ('"ok"\n', ["--show-tree"], "--show-tree goes with --prompt"),
 ])
 def test_bad_prompts_file_is_one_clear_error(tmp_path, content, extra, message):
     path = tmp_path / "p.jsonl"
     path.write_text(content)
     assert_one_error_line(*cli("--prompts-file", str(path), "--method", "ar", "--no-chat", *extra)[::2], message)
+
+
+def test_a_failing_request_of_a_prompts_file_costs_only_its_own_line(tmp_path, monkeypatch, one_thread):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('"def f(x):"\n\n"import os"\n"class A:"\n"x = 1"\n')
+    poison(monkeypatch, seed=102, from_call=2)  # the third request, on line 4
+    code, out, err = cli("--prompts-file", str(path), "--batch-size", "4", "--max-new-tokens", "8", "--no-chat",
+                         "--budget", "4", "--seed", "100")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 2 and sorted(r["index"] for r in rows) == [0, 1, 3], (code, out, err)
+    assert f"error: {path} line 4: the target produced non-finite" in err, err
+    assert err.count("error:") == 1 and "Traceback" not in err and "3 of 4 requests" in err, err
+
+
+def test_prompts_file_errors_name_the_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'"ok"\n"fine"\n"caf\xe9"\n')
+    assert_one_error_line(*cli("--prompts-file", str(path), "--method", "ar", "--no-chat")[::2],
+                          f"{path} line 3: not UTF-8 text")
+    path.write_text('"short"\n' + json.dumps("word " * 3000) + "\n")
+    assert_one_error_line(*cli("--prompts-file", str(path), "--method", "ar", "--no-chat")[::2],
+                          f"{path} line 2: prompt (3001 tokens) + --max-new-tokens (256) exceeds")
+
+
+def test_prompts_file_lines_end_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028, U+2029 and U+0085 unescaped: str.splitlines() would split the line there."""
+    import cli as command_line
+    path = tmp_path / "p.jsonl"
+    prompts = ["a\u2028b", "c\u2029d\u0085e", "f\x1cg\x1dh\x1ei\x0cj\x0bk"]
+    path.write_text("\r\n".join(json.dumps(p, ensure_ascii=False) for p in prompts) + "\n", encoding="utf-8")
+    assert [(r.line, r.prompt) for r in command_line.read_prompts_file(str(path))] == \
+        [(1, prompts[0]), (2, prompts[1]), (3, prompts[2])]
 
 
 def test_each_request_is_reported_as_soon_as_it_ends(pair):
