@@ -1,11 +1,13 @@
 """Helpers shared by the benchmark scripts (bench.py, bench_ar.py, bench_pair.py, gpu_check.py): timing
-(sync, timed, interleaved), JSON output, the random target, the per-stage round split and its table rows, tree
-construction alone, AR beside transformers' generate (compare, print_rows), and held-out prompts and greedy runs
-on a trained pair, side by side (held_out_code, interleaved_runs). A library, not a script: each benchmark keeps
-its own CLI.
+(sync, timed, interleaved; on a device per call or pipelined, and the profiler's kernel table), JSON output, the
+random target (written as a checkpoint, or built in its dtype on a device: build_target, build_drafter), the
+per-stage round split and its table rows, tree construction alone, AR beside transformers' generate (compare,
+print_rows), and held-out prompts and greedy runs on a trained pair, side by side (held_out_code,
+interleaved_runs). A library, not a script: each benchmark keeps its own CLI.
 """
 
 import itertools
+import math
 import os
 import random
 import statistics
@@ -25,7 +27,8 @@ from cpu import AUTOTUNE_OPTIONS, compile_frozen  # noqa: E402
 from compiling import call_compiled  # noqa: E402
 from batch import run_requests  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
-from model import Qwen3  # noqa: E402
+from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
+from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
 from train_target import HELD_OUT_EVERY, read  # noqa: E402
@@ -327,3 +330,135 @@ def batched_run(target, drafter, prompts, method, budget, new_tokens, compile, b
         seconds = time.perf_counter() - t0 - sum(r.stats["compile_seconds"] for r in results[::batch])
         best = max(best, sum(r.stats["new_tokens"] for r in results) / seconds)
     return best
+
+
+# ---------------------------------------------------------------------------------- random models in their dtype
+
+
+def materialize(make, device, dtype):
+    """make() built on the meta device and converted to dtype there (no memory yet), then given uninitialized memory
+    on the device: no float32 copy of the weights ever exists, so 27B shapes fit an 80 GB device in bf16."""
+    with torch.device("meta"):
+        module = make()
+    return module.to(dtype).to_empty(device=device)
+
+
+def fill_random(module, seed: int, std: float, zero_centred: bool):
+    """Every parameter filled in place from a seeded generator (runs repeat): normal(0, std), except the norms (the
+    identity: 1 for x * w, 0 for a hybrid's zero-centred x * (1 + w), which Gated DeltaNet's own norm is not) and
+    Gated DeltaNet's decay (A in [1, 16] as transformers draws it; softplus(dt_bias) log-uniform in [1e-3, 1e-1]
+    as Mamba's), which normal noise would make decay too fast or not at all."""
+    device = next(module.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    uniform = lambda p, lo, hi: torch.empty(p.shape, device=device).uniform_(lo, hi, generator=gen)  # noqa: E731
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(0.0 if zero_centred and "linear_attn." not in name else 1.0)
+            elif name.endswith("A_log"):
+                p.copy_(uniform(p, 1.0, 16.0).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(uniform(p, math.log(1e-3), math.log(1e-1)).exp().expm1().log())  # softplus's inverse
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+def build_target(shape: dict, device, dtype, seed: int = 0, std: float = 0.02) -> Qwen3:
+    """A random target of the Qwen3Config fields `shape`, built in `dtype` on the device."""
+    c = Qwen3Config(**shape)
+    target = materialize(lambda: Qwen3(c), device, dtype)
+    if c.tie_word_embeddings:  # to_empty gives each module a tensor of its own
+        target.lm_head.weight = target.embed_tokens.weight
+    fill_random(target, seed, std, c.zero_centered_norm)
+    target.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, device)  # float32, as loading makes it
+    return target.eval()
+
+
+def build_drafter(target: Qwen3, block: int, layers: int, seed: int = 1, std: float = 0.02) -> DFlashDrafter:
+    """A random DFlash drafter (plain Qwen3 layers whatever the target's) reading z-lab's Qwen3-8B layers on a
+    36-layer target, else the first three."""
+    t = target.config
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    model = Qwen3Config(**{k: getattr(t, k) for k in keys}, num_hidden_layers=layers, tie_word_embeddings=False)
+    ids = [1, 9, 17, 25, 33] if t.num_hidden_layers == 36 else list(range(min(3, t.num_hidden_layers)))
+    dc = DFlashConfig(model=model, block_size=block, num_target_layers=t.num_hidden_layers, target_layer_ids=ids,
+                      mask_token_id=t.vocab_size - 1)
+    drafter = materialize(lambda: DFlashDrafter(dc), target.device, target.dtype)
+    fill_random(drafter, seed, std, False)
+    drafter.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, target.device)
+    return drafter.eval().bind(target)
+
+
+def random_tokens(n: int, vocab: int, seed: int = 0) -> list:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ------------------------------------------------------------------------------ device timing, the kernel table
+
+
+def per_call_ms(fn, device, n: int) -> float:
+    """Median milliseconds of fn(), synchronized around every call."""
+    times = []
+    for _ in range(n):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def pipelined_ms(fn, device, n: int) -> float:
+    """Milliseconds per fn() over n calls issued back to back with one synchronization (CUDA events on a GPU): the
+    cost when the host runs ahead of the device, as in a decoding loop."""
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) * 1e3 / n
+
+
+def keep(out):
+    """Clones of a compiled call's tensors: a CUDA graph's next replay overwrites its outputs."""
+    if isinstance(out, tuple):
+        return tuple(keep(t) for t in out)
+    return out.clone() if isinstance(out, torch.Tensor) else out
+
+
+def copy_bandwidth(device, gib: float) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    a = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    return 2 * a.numel() * a.element_size() / (per_call_ms(lambda: b.copy_(a), device, 5) / 1e3)
+
+
+def kernel_table(fn, device, steps: int, top: int = 12) -> dict:
+    """The profiler's view of `steps` calls of fn: on a GPU its kernels (in CUDA graph replays too), on a CPU its
+    operators (nested ones counted too): per step their count and summed time, and the top ones by time."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            fn()
+        sync(device)
+    events = prof.key_averages()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    rows = sorted(((e.key, e.count, e.self_device_time_total if cuda else e.self_cpu_time_total) for e in events
+                   if e.device_type == kind), key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    return dict(of="kernels" if cuda else "cpu operators", per_step=sum(r[1] for r in rows) / steps,
+                us_per_step=total / steps,
+                graph_launches_per_step=sum(e.count for e in events if e.key == "cudaGraphLaunch") / steps,
+                top=[dict(name=k[:120], per_step=c / steps, us_per_step=us / steps, share=us / max(total, 1e-9))
+                     for k, c, us in rows[:top]])

@@ -1,49 +1,36 @@
-"""One call on a lent GPU: today's engine checked token for token there, and its speed measured against its floor.
+"""One call on a lent GPU: is today's engine right there, and how fast is it against its floor?
 
     python scripts/gpu_check.py --json benchmarks/DATE-h100-gpu_check.json 2>&1 | tee benchmarks/DATE-h100-gpu_check.log
     python scripts/gpu_check.py --parts flex hybrid-slice --json out.json    # the named parts, in the order given
-    python scripts/gpu_check.py --device cpu --small --json /tmp/x.json      # every part on small shapes: a smoke run
+    python scripts/gpu_check.py --device cpu --small --json /tmp/x.json      # every part, small shapes: a smoke run
 
-Parts:
-  hybrid-tiny    a tiny float32 hybrid target (Qwen3.5's layout) and a drafter, compiled as users run them (CUDA
-                 graphs on a GPU): ar, dflash, ddtree B = 16 and 64 against eager ar token for token, on a prompt
-                 of two prefill chunks; ddtree B = 64 again with the tree rule's 'series' solve
-  pair-smoke     the bundled pair, compiled: ddtree B = 16 and a batch that shrinks as its requests stop, against
-                 eager ar; under CUDA graphs, that every round replays a graph
-  ar-profile     the Qwen3-8B-shaped AR step in bf16: pipelined (back-to-back steps, one sync) and per call, beside
-                 its floor (the bytes a step reads over the measured copy bandwidth), and the profiler's kernel
-                 table (kernels per step, their summed time against the wall time, the top kernels)
-  round-profile  a DDTree round at --round-budgets (B = 64) on 8B shapes with a random drafter, each stage
-                 compiled and timed alone (draft, tree, mask, verify, accept, commit), the whole round, and the
-                 step's host read
-  verify-curve   the target's verify forward at --verify-budgets (B = 128, 512)
-  projection     per budget the paper gives, its acceptance length (Qwen3-8B, MATH-500, T = 0) over our round
-                 time against our AR step: the projected speedup over our own AR and tokens/s, beside the paper's
-  hybrid-rule    the 27B-shaped tree rule alone (gated_delta.tree_gated_delta, R = 65 / 257 / 513 rows, both
-                 solves), per layer and for the 48 layers, eager and captured in a CUDA graph
-  hybrid-slice   4 layers of Qwen3.5-27B (3 Gated DeltaNet, 1 gated attention): AR step against its floor
-                 (weights plus recurrent states read and written), verify at B = 64 and 512, extra peak memory
-  flex           compiled FlexAttention under the engine's masks against SDPA with the mask written out, at
-                 Qwen3-8B's G = 4 over the engine's query lengths, Qwen3.5-27B's G = 6 with heads of 256, and
-                 Qwen3-30B-A3B's G = 8 at one row
+Parts (docs/benchmarks.md, "gpu_check", says what each measures):
+  hybrid-tiny    a tiny float32 hybrid and drafter, compiled: ar, dflash, ddtree B 16 / 64 and B 64 with the
+                 'series' tree solve, each token-equal to eager ar, over a prompt of two prefill chunks
+  pair-smoke     the bundled pair, compiled: ddtree B 16 and a batch that shrinks, token-equal to eager ar
+  ar-profile     the Qwen3-8B-shaped AR step: pipelined and per call, its floor, the profiler's kernel table
+  round-profile  a B = 64 round on 8B shapes, random drafter: each stage compiled alone, the round, the host read
+  verify-curve   the 8B target's verify forward at --verify-budgets
+  projection     the paper's acceptance (Qwen3-8B, MATH-500, T = 0) x our AR step / our round: speedup, tokens/s
+  hybrid-rule    the 27B-shaped tree rule alone, R = 65 / 257 / 513, both solves, eager and in a CUDA graph
+  hybrid-slice   4 layers of Qwen3.5-27B: AR step against its floor, verify at B 64 / 512, extra peak memory
+  flex           compiled FlexAttention under the engine's masks against SDPA at G = 4, 6 (head 256) and 8
 
-The parts named by --parts run in the order given. Without --parts a device run takes the parts that matter
-first, in this order: hybrid-tiny and pair-smoke (whether the engine is right on the device at all: nothing else
-means much if it is not), ar-profile, round-profile and verify-curve (the speed figures), projection (right after
-its inputs: it compiles nothing when they exist), then hybrid-rule and hybrid-slice. flex is left out: the first
-two parts already run the engine's FlexAttention calls compiled against eager tokens, and its dozen small graphs
-cost minutes; run it with --parts flex in the device's remaining time. With --small every part runs (the
-script's own smoke test, on a CPU).
+Without --parts a device run takes what matters first: hybrid-tiny and pair-smoke (whether the engine is right on
+the device at all), ar-profile and round-profile (the speed of a step and of a round), projection right after its
+inputs (it then compiles the chain's verify and the B = 512 verify alone), hybrid-rule (no compile: it decides how
+the recurrent layers can be captured); then, only if they fit before the deadline, verify-curve, hybrid-slice and
+flex (the first two parts already check the engine's FlexAttention calls by their tokens). These three are not
+requested, so their being skipped is no failure. With --small every part runs and is requested.
 
-Each part is priced before it starts from the seconds per compiled graph measured so far in this call, kept apart
-for three kinds of graph: one model forward (an AR step, a verify, a draft: "ar"), a whole round ("round"), and a
-graph of the tiny models or of a round's small stages ("tiny"); until a kind is measured its default (--device's)
-stands in. A part whose price ends past --deadline is skipped, with why. Each part runs under its own alarm
-(--part-seconds, never past the deadline): one that overruns ends as "timeout" and the next part starts. Every
-part records its status (ok, error with the traceback, timeout, skipped with why), seconds, peak device memory,
-recompiles and compile seconds; the JSON, with versions, device, driver and clocks, is rewritten after every part,
-so a run cut short keeps what it measured. Exit status: 0 when every requested part is ok, 1 when any errs, times
-out or is skipped, 2 for bad arguments.
+Before a part starts it is priced from the seconds per compiled graph measured so far in this call, per kind of
+graph: a model forward ("ar": an AR step, a verify, a draft), a whole round ("round"), a graph of the tiny models
+or of a round's small stages ("tiny"); until a kind is measured a conservative default stands in. A part priced to
+end past --deadline is skipped. Each part runs under its own alarm (--part-seconds, never past the deadline).
+Each part records status (ok, error + traceback, timeout, skipped + why), seconds, peak device memory,
+recompiles, graphs CUDA graphs refused and compile seconds; the JSON (versions, device, driver, clocks) is
+rewritten after every part, so a run cut short keeps what it measured. Exit status: 0 when every requested part
+is ok, 1 when one errs, times out or is skipped, 2 for bad arguments.
 """
 
 import time
@@ -53,30 +40,28 @@ T0 = time.time()  # the deadline counts from the call's start, imports included
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 from bench_hybrid import cpu_name, tree_verify  # noqa: E402
-from benchlib import write_json  # noqa: E402
+from benchlib import (build_drafter, build_target, copy_bandwidth, keep, kernel_table, per_call_ms,  # noqa: E402
+                      pipelined_ms, random_tokens, sync, write_json)
 import compiling  # noqa: E402
 import ddtree  # noqa: E402
 import gated_delta  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch, prefill_chunk  # noqa: E402
 from draft_tree import ancestor_matrix  # noqa: E402
-from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
+from drafter import DFlashDrafter  # noqa: E402
+from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from tree_attn import PrefixMask, flex_kernel_options  # noqa: E402
 
@@ -93,9 +78,8 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 max_position_embeddings=40960, tie_word_embeddings=False)
 SMALL = dict(QWEN3_8B, vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-# Qwen3.5-27B's text config as public material agrees on it (the Hub is out of reach here): 64 layers, every 4th
-# gated full attention (24 heads of 256, 4 KV heads, a quarter of each head roped, theta 1e7), the others Gated
-# DeltaNet (16 key heads and 48 value heads of 128, conv kernel 4); hidden 5120, MLP 17408, vocabulary 248320.
+# Qwen3.5-27B's text config as public material agrees on it: 64 layers, every 4th gated full attention (24 heads
+# of 256, 4 KV heads, a quarter of each head roped), the others Gated DeltaNet (16 key and 48 value heads of 128).
 QWEN3_5_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                    num_attention_heads=24, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7,
                    max_position_embeddings=262144, tie_word_embeddings=False, layer_types=hybrid_layer_types(64),
@@ -103,188 +87,36 @@ QWEN3_5_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408,
                    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                    linear_num_key_heads=16, linear_num_value_heads=48)
 HYBRID_SLICE = dict(QWEN3_5_27B, num_hidden_layers=4, layer_types=hybrid_layer_types(4))
-SMALL_HYBRID = dict(HYBRID_SLICE, **{k: SMALL[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                           "num_attention_heads", "num_key_value_heads",
-                                                           "head_dim")},
-                    linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
-                    linear_num_value_heads=4)
-# hybrid-tiny: a vocabulary of 8, so that a random drafter's trees (its laws nearly flat) hold the target's choices
-# a few levels deep, and commits of accepted paths through the recurrent layers are exercised.
+SMALL_HYBRID = dict(HYBRID_SLICE, vocab_size=4096, hidden_size=256, intermediate_size=768, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+                    linear_num_key_heads=2, linear_num_value_heads=4)
+# A vocabulary of 8: a random drafter's trees (its laws nearly flat) then hold the target's choices a few levels
+# deep, so commits of accepted paths through the recurrent layers are exercised.
 TINY_HYBRID = dict(SMALL_HYBRID, vocab_size=8, hidden_size=128, intermediate_size=256, head_dim=32,
                    linear_key_head_dim=32, linear_value_head_dim=32)
-DRAFT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
 CONTEXT = 512  # committed tokens before every timed step, round and verify
-CHAIN_BUDGET = 15  # the 8B drafter's chain (block 16) verifies 16 rows: a tree budget of 15
+CHAIN_BUDGET = 15  # the 8B drafter's chain (block 16) verifies 16 rows, as a tree of 15 nodes does
 
-# DDTree paper (Ringel & Romano), Table 1: Qwen3-8B on MATH-500 at temperature 0, mean acceptance length tau
-# (the bonus token included) and speedup over autoregressive decoding; DDTree at its best budget, which Fig. 4
-# names (B = 512), and DFlash's chain (block 16). Fig. 3 plots the other budgets without printing their values,
-# so these two are all the paper's text gives.
+# DDTree paper (Ringel & Romano), Table 1: Qwen3-8B on MATH-500 at temperature 0, mean acceptance length tau (the
+# bonus token included) and speedup over autoregressive decoding, for DDTree at its best budget (B = 512, Fig. 4)
+# and for DFlash's chain (block 16). Fig. 3 plots the other budgets without printing their values.
 PAPER = dict(budgets={512: dict(tau=10.73, speedup=7.52)}, chain=dict(tau=7.79, speedup=5.56))
-
-# ---------------------------------------------------------------------------------------------- random weights
-
-
-def materialize(make, device, dtype):
-    """make() built on the meta device, converted to dtype there (it holds no memory yet), then given uninitialized
-    memory on the device: no float32 copy of the weights ever exists."""
-    with torch.device("meta"):
-        module = make()
-    return module.to(dtype).to_empty(device=device)
-
-
-def fill_random(module, seed: int, std: float, zero_centred: bool):
-    """Every parameter filled in place from a seeded generator (runs repeat): normal(0, std), except the norms'
-    weights (the identity: 1 for x * w, 0 for a hybrid's zero-centred x * (1 + w), which Gated DeltaNet's own norm
-    is not) and Gated DeltaNet's decay parameters (A in [1, 16] as transformers initializes it; softplus(dt_bias)
-    log-uniform in [1e-3, 1e-1] as Mamba does), which normal noise would make decay too fast or not at all."""
-    device = next(module.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(0.0 if zero_centred and "linear_attn." not in name else 1.0)
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape, device=device).uniform_(1.0, 16.0, generator=gen).log())
-            elif name.endswith("dt_bias"):
-                dt = torch.empty(p.shape, device=device).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
-                p.copy_(dt.expm1().log())  # softplus's inverse
-            else:
-                p.normal_(0.0, std, generator=gen)
-
-
-def build_target(shape: dict, device, dtype, seed: int = 0, std: float = 0.02) -> Qwen3:
-    c = Qwen3Config(**shape)
-    target = materialize(lambda: Qwen3(c), device, dtype)
-    if c.tie_word_embeddings:  # to_empty gives each module its own new tensor
-        target.lm_head.weight = target.embed_tokens.weight
-    fill_random(target, seed, std, c.zero_centered_norm)
-    target.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, device)  # float32, as loading makes it
-    return target.eval()
-
-
-def build_drafter(target: Qwen3, block: int, layers: int, seed: int = 1, std: float = 0.02) -> DFlashDrafter:
-    """A random DFlash drafter for `target` (plain Qwen3 layers, whatever the target's), reading z-lab's Qwen3-8B
-    layers on a 36-layer target and the first three otherwise."""
-    t = target.config
-    model = Qwen3Config(**{k: getattr(t, k) for k in DRAFT_FIELDS}, num_hidden_layers=layers,
-                        tie_word_embeddings=False)
-    ids = [1, 9, 17, 25, 33] if t.num_hidden_layers == 36 else list(range(min(3, t.num_hidden_layers)))
-    dc = DFlashConfig(model=model, block_size=block, num_target_layers=t.num_hidden_layers, target_layer_ids=ids,
-                      mask_token_id=t.vocab_size - 1)
-    drafter = materialize(lambda: DFlashDrafter(dc), target.device, target.dtype)
-    fill_random(drafter, seed, std, False)
-    drafter.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, target.device)
-    return drafter.eval().bind(target)
-
-
-def random_tokens(n: int, vocab: int, seed: int = 0) -> list:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-# ------------------------------------------------------------------------------------------------------ timing
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def per_call_ms(fn, device, n: int) -> float:
-    """Median milliseconds of fn(), synchronized around every call."""
-    times = []
-    for _ in range(n):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def pipelined_ms(fn, device, n: int) -> float:
-    """Milliseconds per fn() over n calls issued back to back with one synchronization (CUDA events on a GPU):
-    what a call costs when the host runs ahead of the device, as in a decoding loop."""
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / n
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) * 1e3 / n
-
-
-def keep(out):
-    """Clones of a compiled call's tensors: a CUDA graph's next replay overwrites its outputs."""
-    if isinstance(out, torch.Tensor):
-        return out.clone()
-    if isinstance(out, tuple):
-        return tuple(keep(t) for t in out)
-    return out
-
-
-def copy_bandwidth(device, gib: float) -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted)."""
-    a = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    return 2 * a.numel() * a.element_size() / (per_call_ms(lambda: b.copy_(a), device, 5) / 1e3)
-
-
-def kernel_table(fn, device, steps: int, top: int = 12) -> dict:
-    """The profiler's view of `steps` calls of fn: on a GPU its kernels (CUDA graph replays included), on a CPU its
-    operators (nested ones counted too); per step their count and summed time, and the top ones by time."""
-    from torch.profiler import ProfilerActivity, profile
-    cuda = device.type == "cuda"
-    fn()
-    sync(device)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(steps):
-            fn()
-        sync(device)
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    rows = [(e.key, e.count, e.self_device_time_total if cuda else e.self_cpu_time_total)
-            for e in prof.key_averages() if e.device_type == kind]
-    rows.sort(key=lambda r: -r[2])
-    total_us = sum(r[2] for r in rows)
-    launches = sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch")
-    return dict(of="kernels" if cuda else "cpu operators", per_step=sum(r[1] for r in rows) / steps,
-                us_per_step=total_us / steps, graph_launches_per_step=launches / steps,
-                top=[dict(name=k[:120], per_step=c / steps, us_per_step=us / steps,
-                          share=us / total_us if total_us else 0.0) for k, c, us in rows[:top]])
-
 
 # --------------------------------------------------------------------------------------------------- the run
 
 
 class PartTimeout(BaseException):
-    """The part's alarm: a BaseException, so that code catching Exception lets it through."""
+    """A part's alarm: a BaseException, so that code catching Exception lets it through."""
 
 
-
-# Seconds per compiled graph until one of its kind is measured in this call: on a GPU, conservative from the
-# H200 runs of record (an 8B AR step graph 30-35 s, a tiny pair's round 20 s, a whole 8B round ~100 s); on a CPU,
-# the small shapes of --small.
+# Seconds per compiled graph until a kind is measured in this call: on a GPU, above the H200 runs of record (an 8B
+# AR step 30-35 s, a tiny pair's round 20 s, a whole 8B round ~100 s); on a CPU, --small's shapes.
 DEFAULT_PER_GRAPH = {"cuda": dict(ar=40.0, round=110.0, tiny=20.0), "cpu": dict(ar=15.0, round=40.0, tiny=20.0)}
 
 
-@dataclass
-class Part:
-    run: object  # fn(run, out): measures, fills `out` (the part's results in the JSON), raises on a failure
-    graphs: object  # fn(run) -> {kind: compiled graphs the part will make}, for its price
-    work: tuple  # seconds besides compiling: (on a GPU at full shapes, with --small)
-
-
 class Run:
-    """The call's settings, its JSON, its clock, the measured seconds per graph, and what parts hand each other
-    (models, bandwidth, measured AR step, rounds and verifies)."""
+    """The call's settings, clock, JSON and measured seconds per graph, and what parts hand each other (models,
+    bandwidth, the AR step, rounds, verifies)."""
 
     def __init__(self, a):
         self.a, self.device = a, torch.device(a.device)
@@ -297,8 +129,7 @@ class Run:
         self.back_to_back = 100 if self.cuda else 10
         self.out = dict(command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
                         started=time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(T0)),
-                        settings=dict(device=a.device, small=a.small, eager=a.eager, deadline=a.deadline,
-                                      part_seconds=a.part_seconds, parts=a.parts, dtype=str(self.dtype)),
+                        settings={k: v for k, v in vars(a).items() if k != "plant_failure"},
                         versions=versions(self.device), clocks_at_start=clocks(self.device), parts={})
 
     def elapsed(self) -> float:
@@ -308,21 +139,14 @@ class Run:
         print(f"[{self.elapsed():5.0f} s] {text}", flush=True)
 
     def save(self):
-        self.out["seconds"] = self.elapsed()
-        self.out["per_graph_s"] = dict(self.per_graph, measured={k: len(v) for k, v in self.measured.items()})
+        self.out.update(seconds=self.elapsed(), per_graph_s=self.per_graph,
+                        graphs_measured={k: len(v) for k, v in self.measured.items()})
         if self.a.json:
             write_json(self.a.json, self.out)
 
-    # -- pricing --------------------------------------------------------------------------------------------------
-
     def graphs_per_engine(self) -> int:
-        """Graphs a new compiled engine makes: its round, and on a GPU its prefill chunk (eager on a CPU)."""
+        """A new compiled engine's graphs: its round, and on a GPU its prefill chunk (eager on a CPU)."""
         return 2 if self.cuda else 1
-
-    def price(self, part: Part) -> tuple[float, dict]:
-        graphs = part.graphs(self) if self.compile else {}
-        work = part.work[1] if self.a.small or not self.cuda else part.work[0]
-        return sum(n * self.per_graph[kind] for kind, n in graphs.items()) + work, graphs
 
     def compiled(self, kind: str, seconds: float, graphs: int = 1):
         """A compile measured in this call: the running seconds per graph of its kind, the part's compile seconds."""
@@ -330,22 +154,22 @@ class Run:
         self.per_graph[kind] = statistics.mean(self.measured[kind])
         self.part["compile_s"] += seconds
 
-    # -- one part -------------------------------------------------------------------------------------------------
-
-    def run_part(self, name: str):
-        part, rec = PARTS[name], self.out["parts"].setdefault(name, {})
-        price, graphs = self.price(part)
+    def run_part(self, name: str, requested: bool = True):
+        fn, count_graphs, work = PARTS[name]
+        graphs = count_graphs(self) if self.compile else {}
+        price = sum(n * self.per_graph[kind] for kind, n in graphs.items()) + work[self.a.small or not self.cuda]
         left = self.a.deadline - self.elapsed()
-        rec.update(price_s=round(price, 1), graphs=graphs)
+        rec = self.out["parts"][name] = dict(requested=requested, price_s=round(price, 1), graphs=graphs)
         if price > left:
-            rec.update(status="skipped", why=f"priced at {price:.0f} s ({graphs} at {self.per_graph} s per graph, "
-                                             f"plus the work), {left:.0f} s left before --deadline")
+            rec.update(status="skipped", why=f"priced at {price:.0f} s ({graphs} at {self.per_graph} s per graph, and "
+                                             f"the rest), {left:.0f} s left before --deadline")
             self.say(f"{name}: skipped ({rec['why']})")
             return self.save()
         self.say(f"{name}: starts (priced at {price:.0f} s, {left:.0f} s left)")
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        t, recompiles = time.time(), sum(counters["recompiles"].values())
+        t, recompiles, skips = time.time(), sum(counters["recompiles"].values()), counters["inductor"][
+            "cudagraph_skips"]
         rec.update(compile_s=0.0, result={})
         self.part, rang = rec, []
 
@@ -359,16 +183,18 @@ class Run:
             try:
                 if name == self.a.plant_failure:
                     raise RuntimeError(f"planted failure in {name} (--plant-failure)")
-                part.run(self, rec["result"])
+                fn(self, rec["result"])
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             rec["status"] = "ok"
         except (PartTimeout, Exception):  # noqa: BLE001 (a part's failure is a finding; the next part runs)
-            # torch may wrap the alarm's exception in its own (dynamo, inductor): the alarm's record decides
+            # dynamo and inductor may wrap the alarm's exception in their own: the alarm's record decides
             rec.update(status="timeout" if rang else "error", traceback=traceback.format_exc()[-6000:])
             if rang:
                 rec["why"] = f"stopped after {rang[0] - t:.0f} s"
+        # cudagraph_skips: graphs that CUDA graph trees refused and ran uncaptured (the log says why)
         rec.update(seconds=time.time() - t, recompiles=sum(counters["recompiles"].values()) - recompiles,
+                   cudagraph_skips=counters["inductor"]["cudagraph_skips"] - skips,
                    peak_gb=torch.cuda.max_memory_allocated(self.device) / 1e9 if self.cuda else None)
         self.say(f"{name}: {rec['status']} in {rec['seconds']:.0f} s (compiling {rec['compile_s']:.0f} s)"
                  + (f"\n{rec['traceback']}" if "traceback" in rec else ""))
@@ -376,8 +202,8 @@ class Run:
         self.save()
 
     def forget(self):
-        """Engines and compiled graphs go after every part (a part cut short leaves them half made; CUDA graph
-        pools hold device memory); the built models stay for the parts after."""
+        """Engines and compiled graphs go after every part (one cut short leaves them half made; CUDA graph pools
+        hold device memory); built models stay for the parts after."""
         ddtree._ENGINES.clear()
         torch._dynamo.reset()
         gated_delta.TREE_SOLVE = "triangular"
@@ -385,73 +211,60 @@ class Run:
         if self.cuda:
             torch.cuda.empty_cache()
 
-    # -- what parts share -----------------------------------------------------------------------------------------
-
     def pair8b(self):
-        """The Qwen3-8B-shaped target and a 5-layer block-16 drafter in bf16 (--small: small shapes), built once."""
+        """The Qwen3-8B-shaped target and a 5-layer block-16 drafter (--small: small shapes), built once."""
         if "8b" not in self.models:
             target = build_target(SMALL if self.a.small else QWEN3_8B, self.device, self.dtype)
             self.models["8b"] = (target, build_drafter(target, block=16, layers=2 if self.a.small else 5))
         return self.models["8b"]
-
-    def drop_models(self):
-        self.models.clear()
-        self.forget()
 
     def bandwidth(self) -> float:
         if "bandwidth" not in self.results:
             self.results["bandwidth"] = copy_bandwidth(self.device, 0.25 if self.a.small else 2.0)
         return self.results["bandwidth"]
 
-    def first_calls(self, kind: str, fn, graphs: int = 1):
-        """fn()'s first calls, which compile it (and under CUDA graphs record it), as a measured compile of `graphs`
-        graphs of `kind`; returns the last call's output, cloned."""
+    def first_calls(self, kind: str, fn):
+        """fn()'s first calls, which compile it (and under CUDA graphs record it): a measured compile of `kind`.
+        Returns the last call's output, cloned."""
         t = time.perf_counter()
         for _ in range(compiling.graph_warmup_calls(self.compile, self.device.type)):
             out = keep(fn())
         sync(self.device)
         if self.compile:
-            self.compiled(kind, time.perf_counter() - t, graphs)
+            self.compiled(kind, time.perf_counter() - t)
         return out
 
     def stage(self, fn):
-        """fn compiled as the engine compiles its steps (fullgraph, fixed shapes, CUDA graphs on a GPU); each call
-        begins a new CUDA graph step, so that the stages replay independently of each other."""
+        """fn compiled as the engine compiles its steps (fullgraph, fixed shapes, CUDA graphs on a GPU), each call a
+        new CUDA graph step, so that stages replay independently of each other."""
         if not self.compile:
             return fn
         compiled = torch.compile(fn, dynamic=False, fullgraph=True, mode="reduce-overhead" if self.cuda else None)
         if not self.cuda:
             return compiled
-
-        def call(*args):
-            torch.compiler.cudagraph_mark_step_begin()
-            return compiled(*args)
-        return call
-
-
-def versions(device) -> dict:
-    v = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.version.cuda, triton=None,
-             device_name=None, capability=None, driver=None)
-    with contextlib.suppress(ImportError):
-        import triton
-        v["triton"] = triton.__version__
-    if device.type == "cuda":
-        v["device_name"] = torch.cuda.get_device_name(device)
-        v["capability"] = list(torch.cuda.get_device_capability(device))
-        v["driver"] = nvidia_smi("driver_version")
-    else:
-        v["device_name"] = cpu_name()
-    return v
+        return lambda *args: (torch.compiler.cudagraph_mark_step_begin(), compiled(*args))[1]
 
 
 def nvidia_smi(fields: str):
     """The first GPU's answer to nvidia-smi --query-gpu=fields, or None where nvidia-smi cannot answer."""
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         proc = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
                               text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else None
+        if proc.returncode == 0 and proc.stdout.strip():
+            return proc.stdout.strip().splitlines()[0]
+    return None
+
+
+def versions(device) -> dict:
+    v = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.version.cuda, triton=None,
+             device_name=cpu_name(), capability=None, driver=None)
+    with contextlib.suppress(ImportError):
+        import triton
+        v["triton"] = triton.__version__
+    if device.type == "cuda":
+        v.update(device_name=torch.cuda.get_device_name(device), driver=nvidia_smi("driver_version"),
+                 capability=list(torch.cuda.get_device_capability(device)))
+    return v
 
 
 CLOCKS = "clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,temperature.gpu"
@@ -467,14 +280,14 @@ def clocks(device):
 
 
 def token_case(run, name: str, result, ref: list, out: dict):
-    """One compiled run against eager AR's tokens, recorded under out[name]; its warm-up is a measured compile."""
+    """A compiled run against eager AR's tokens, recorded under out[name]; its warm-up is a measured compile."""
     diff = next((i for i, (x, y) in enumerate(zip(result.tokens, ref)) if x != y), None)
     out[name] = dict(equal_to_eager_ar=result.tokens == ref, first_diff=diff, tau=result.stats["tau"],
                      compile_s=result.stats["compile_seconds"])
     if run.compile:
         run.compiled("tiny", result.stats["compile_seconds"], run.graphs_per_engine())
-    run.say(f"  {name}: equal to eager ar {out[name]['equal_to_eager_ar']} (first difference {diff}), "
-            f"tau {out[name]['tau']:.2f}, compiling {out[name]['compile_s']:.1f} s")
+    run.say(f"  {name}: equal to eager ar {result.tokens == ref} (first difference {diff}), tau "
+            f"{result.stats['tau']:.2f}, compiling {result.stats['compile_seconds']:.1f} s")
 
 
 def require_equal(out: dict):
@@ -483,105 +296,85 @@ def require_equal(out: dict):
         raise AssertionError(f"unequal to eager ar: {wrong}")
 
 
-@contextlib.contextmanager
-def tree_solve(solve: str):
-    """gated_delta.TREE_SOLVE is read while tracing: engines and graphs go before and after a change."""
-    ddtree._ENGINES.clear()
-    torch._dynamo.reset()
-    gated_delta.TREE_SOLVE = solve
-    try:
-        yield
-    finally:
-        gated_delta.TREE_SOLVE = "triangular"
-        ddtree._ENGINES.clear()
-        torch._dynamo.reset()
-
-
 def hybrid_tiny(run, out):
     target = build_target(TINY_HYBRID, run.device, torch.float32, std=0.2)  # peaked laws: no near ties
     drafter = build_drafter(target, block=8, layers=2)
     prompt = random_tokens(prefill_chunk(run.device.type) + 37, TINY_HYBRID["vocab_size"])  # two prefill chunks
-    new = 48
-    ref = generate(target, None, prompt, method="ar", max_new_tokens=new, stop_ids=[]).tokens
-    out["prompt_tokens"] = len(prompt)
+    ref = generate(target, None, prompt, method="ar", max_new_tokens=48, stop_ids=[]).tokens
     for method, budget, solve in [("ar", None, "triangular"), ("dflash", None, "triangular"),
                                   ("ddtree", 16, "triangular"), ("ddtree", 64, "triangular"),
                                   ("ddtree", 64, "series")]:
-        with tree_solve(solve) if solve != "triangular" else contextlib.nullcontext():
-            res = generate(target, drafter if method != "ar" else None, prompt, method=method, budget=budget,
-                           max_new_tokens=new, compile=run.compile, stop_ids=[])
-        token_case(run, method + (f"-B{budget}" if budget else "") + (f"-{solve}" if solve != "triangular" else ""),
+        # gated_delta.TREE_SOLVE is read while tracing: the 'series' case compiles afresh (and forget() resets it)
+        if solve != gated_delta.TREE_SOLVE:
+            run.forget()
+            gated_delta.TREE_SOLVE = solve
+        res = generate(target, drafter if method != "ar" else None, prompt, method=method, budget=budget,
+                       max_new_tokens=48, compile=run.compile, stop_ids=[])
+        token_case(run, "-".join([method] + [f"B{budget}"] * bool(budget) + [solve] * (solve != "triangular")),
                    res, ref, out)
+    out["prompt_tokens"] = len(prompt)
     require_equal(out)
 
 
 def pair_smoke(run, out):
     target = Qwen3.from_pretrained(ddtree.DEFAULT_TARGET, device=run.device, dtype=torch.float32)
-    drafter = DFlashDrafter.from_pretrained(ddtree.DEFAULT_DRAFT, device=run.device,
-                                            dtype=torch.float32).bind(target)
+    drafter = DFlashDrafter.from_pretrained(ddtree.DEFAULT_DRAFT, device=run.device, dtype=torch.float32)
+    drafter.bind(target)
     prompt = list(range(5, 45))
     ref = generate(target, None, prompt, method="ar", max_new_tokens=96, stop_ids=[]).tokens
     res = generate(target, drafter, prompt, budget=16, max_new_tokens=96, compile=run.compile, stop_ids=[])
     token_case(run, "ddtree-B16", res, ref, out)
-    if run.cuda and run.compile:  # every round replays a graph: the profiler counts the launches
+    if run.cuda and run.compile:  # that every round replays a graph: the profiler counts the launches
         table = kernel_table(lambda: generate(target, drafter, prompt, budget=16, max_new_tokens=32,
                                               compile=True, stop_ids=[]), run.device, 1)
         out["ddtree-B16"]["graph_launches_in_32_tokens"] = table["graph_launches_per_step"]
-    out["batch-shrinking"] = shrinking_batch(run, target, drafter)
-    require_equal(out)
-
-
-def shrinking_batch(run, target, drafter) -> dict:
-    """Two requests in one batch (ddtree, B = 16) under a stop token that ends them at different rounds, so the
-    batch moves to a smaller engine: each request's tokens against its own eager AR run."""
-    prompts = [list(range(5, 45)), list(range(12, 48))]
-    free = generate(target, None, prompts[0], method="ar", max_new_tokens=48, stop_ids=[]).tokens
-    stop = [free[12]]  # a token request 0 emits: it stops early, the other later or never
+    # Two requests in one batch under a stop token that ends them at different rounds, so that the batch moves
+    # to a smaller engine: each request's tokens against its own eager AR run.
+    prompts = [prompt, list(range(12, 48))]
+    stop = [ref[12]]  # a token request 0 emits: it stops early, the other later or never
     refs = [generate(target, None, p, method="ar", max_new_tokens=48, stop_ids=stop).tokens for p in prompts]
     t = time.perf_counter()
     batch = generate_batch(target, drafter, prompts, budget=16, max_new_tokens=48, stop_ids=stop,
                            compile=run.compile, max_batch=2)
     if run.compile:
-        run.compiled("tiny", time.perf_counter() - t, 2 * run.graphs_per_engine())
-    lengths = [len(r) for r in refs]
-    if len(set(lengths)) < 2:
-        raise AssertionError(f"the requests end together ({lengths}): the batch never shrinks")
-    return dict(equal_to_eager_ar=[r.tokens for r in batch] == refs, lengths=lengths)
+        run.compiled("tiny", time.perf_counter() - t, run.graphs_per_engine())
+    out["batch-shrinking"] = dict(equal_to_eager_ar=[r.tokens for r in batch] == refs, lengths=list(map(len, refs)))
+    run.say(f"  batch-shrinking: {out['batch-shrinking']}")
+    if len(set(map(len, refs))) < 2:
+        raise AssertionError(f"the requests end together ({refs}): the batch never shrinks")
+    require_equal(out)
 
 
 # ------------------------------------------------------------------------------------------------- speed parts
 
 
 def step_bytes(target: Qwen3, context: int) -> dict:
-    """The bytes one decode step reads: every weight but the embedding table, of which it reads one row (a tied
-    table is read whole as the lm_head); the K/V of `context` slots per attention layer; each recurrent layer's
-    states, read and written back."""
+    """The bytes a decode step reads: every weight but the embedding table, of which it reads a row (a tied table
+    is read whole as the lm_head); the K/V of `context` slots; recurrent states, read and written back."""
     weights = sum(p.numel() * p.element_size() for p in target.parameters())
     table = target.embed_tokens.weight
-    if not target.config.tie_word_embeddings:
-        weights -= table.numel() * table.element_size()
-    weights += table.shape[1] * table.element_size()
+    weights += table.shape[1] * table.element_size() - (0 if target.config.tie_word_embeddings else
+                                                        table.numel() * table.element_size())
     kv = sum(c.shape[1] * context * c.shape[3] * c.element_size() for c in target.kv_caches())
     states = 2 * sum(s[:1].numel() * s.element_size() for s in target.state_tensors())
     return dict(weights=weights, kv=kv, states=states, total=weights + kv + states)
 
 
 def ar_step(run, target: Qwen3, profile: bool) -> dict:
-    """The AR step at CONTEXT committed tokens as the engine runs it (Engine.run_round of a compiled ar engine:
-    CUDA graphs on a GPU): pipelined and per call, against the floor of the bytes it reads; the kernel table."""
+    """The AR step after CONTEXT tokens as the engine runs it (Engine.run_round of a compiled ar engine: CUDA graphs
+    on a GPU), pipelined and per call, against the floor of the bytes it reads; with `profile` the kernel table."""
     spec = Speculation()
     engine = Engine(target, None, "ar", Sampling(), spec, cache_length(CONTEXT, 64, "ar", spec, None),
                     compile=run.compile)
-    engine.prefill_step = engine._prefill_step  # the prefill only fills the cache here: eager, no graph
+    engine.prefill_step = engine._prefill_step  # the prefill only fills the cache here: eager, no graph of its own
     engine.start([random_tokens(CONTEXT, target.config.vocab_size)], [0])
-    args = (engine.token, engine.position, None)
-    step = lambda: engine.run_round(*args)  # noqa: E731
+    step = lambda: engine.run_round(engine.token, engine.position, None)  # noqa: E731
     run.first_calls("ar", step)
     read = step_bytes(target, CONTEXT)
     floor = read["total"] / run.bandwidth() * 1e3
-    rec = dict(pipelined_ms=pipelined_ms(step, run.device, run.back_to_back),
-               per_call_ms=per_call_ms(step, run.device, run.repeats), floor_ms=floor,
-               bytes_gb={k: v / 1e9 for k, v in read.items()}, copy_bandwidth_gbs=run.bandwidth() / 1e9)
+    rec = dict(pipelined_ms=pipelined_ms(step, run.device, run.back_to_back), floor_ms=floor,
+               per_call_ms=per_call_ms(step, run.device, run.repeats), copy_bandwidth_gbs=run.bandwidth() / 1e9,
+               bytes_gb={k: v / 1e9 for k, v in read.items()})
     rec["pipelined_over_floor"] = rec["pipelined_ms"] / floor
     run.say(f"  AR step: pipelined {rec['pipelined_ms']:.3f} ms, per call {rec['per_call_ms']:.3f} ms; floor "
             f"{floor:.3f} ms ({read['total'] / 1e9:.2f} GB at {run.bandwidth() / 1e9:.0f} GB/s): "
@@ -595,27 +388,25 @@ def ar_step(run, target: Qwen3, profile: bool) -> dict:
 
 
 def ar_profile(run, out):
-    target, _ = run.pair8b()
-    out.update(ar_step(run, target, profile=True))
+    out.update(ar_step(run, run.pair8b()[0], profile=True))
     run.results["ar"] = out
 
 
 def round_stages(run, target, drafter, budget: int) -> dict:
-    """One DDTree round at `budget` after CONTEXT committed tokens, each stage compiled alone as the engine compiles
-    its round and timed pipelined; the whole round (Engine.run_round) pipelined and per call; Engine.step, whose
-    excess over the round is its one host read and bookkeeping."""
+    """A DDTree round at `budget` after CONTEXT tokens: each stage compiled alone as the engine compiles its round
+    and timed pipelined; the whole round (Engine.run_round) pipelined and per call; Engine.step, whose excess over
+    the round is its one host read and bookkeeping."""
     spec = Speculation(budget=budget)
-    length = cache_length(CONTEXT, 16 * (run.repeats + 8), "ddtree", spec, drafter)
-    engine = Engine(target, drafter, "ddtree", Sampling(), spec, length, compile=run.compile)
+    engine = Engine(target, drafter, "ddtree", Sampling(), spec,
+                    cache_length(CONTEXT, 16 * (run.repeats + 8), "ddtree", spec, drafter), compile=run.compile)
     engine.prefill_step = engine._prefill_step
     engine.start([random_tokens(CONTEXT, target.config.vocab_size)], [0])
-    bonus, start = engine.token, engine.position
-    ms, n = {}, run.back_to_back
+    bonus, start, ms = engine.token, engine.position, {}
 
     def measure(name, kind, fn, *args):
         f = run.stage(fn)
         out = run.first_calls(kind, lambda: f(*args))
-        ms[name] = pipelined_ms(lambda: f(*args), run.device, n)
+        ms[name] = pipelined_ms(lambda: f(*args), run.device, run.back_to_back)
         return out
 
     logits_q = measure("draft", "ar", engine.draft, bonus, start)
@@ -628,27 +419,25 @@ def round_stages(run, target, drafter, budget: int) -> dict:
                                  logits, tokens, parents)
     measure("commit", "tiny", lambda s, p, ln, pos, f: (engine.commit(s, p, ln, pos, f, recurrent), ln)[1],
             start, path, length, positions, features)
-    rec = dict(stages_ms=ms, stages_sum_ms=sum(ms.values()))
     whole = lambda: engine.run_round(bonus, start, None, None, None)  # noqa: E731
     run.first_calls("round", whole)
-    rec.update(round_ms=pipelined_ms(whole, run.device, n), round_per_call_ms=per_call_ms(whole, run.device,
-                                                                                        run.repeats))
-    rec["step_ms"] = per_call_ms(engine.step, run.device, run.repeats)
+    rec = dict(stages_ms=ms, stages_sum_ms=sum(ms.values()), round_ms=pipelined_ms(whole, run.device,
+                                                                                  run.back_to_back),
+               round_per_call_ms=per_call_ms(whole, run.device, run.repeats),
+               step_ms=per_call_ms(engine.step, run.device, run.repeats))
     rec["host_ms"] = rec["step_ms"] - rec["round_per_call_ms"]
-    ar = run.results.get("ar")
-    if ar:
-        rec["round_over_ar"] = rec["round_ms"] / ar["pipelined_ms"]
+    if "ar" in run.results:
+        rec["round_over_ar"] = rec["round_ms"] / run.results["ar"]["pipelined_ms"]
     run.say(f"  B={budget}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
             + f" ms (sum {rec['stages_sum_ms']:.3f}); whole round {rec['round_ms']:.3f} ms pipelined, "
             f"{rec['round_per_call_ms']:.3f} per call; step {rec['step_ms']:.3f} (host {rec['host_ms']:.3f})"
-            + (f"; {rec['round_over_ar']:.2f}x the AR step" if ar else ""))
+            + (f"; {rec['round_over_ar']:.2f}x the AR step" if "round_over_ar" in rec else ""))
     return rec
 
 
 def round_profile(run, out):
-    target, drafter = run.pair8b()
     for budget in run.a.round_budgets:
-        out[budget] = run.results.setdefault("rounds", {})[budget] = round_stages(run, target, drafter, budget)
+        out[budget] = run.results.setdefault("rounds", {})[budget] = round_stages(run, *run.pair8b(), budget)
 
 
 def verify_time(run, target, budget: int, feature_layers=()) -> dict:
@@ -656,12 +445,12 @@ def verify_time(run, target, budget: int, feature_layers=()) -> dict:
     compiles it: bench_hybrid.tree_verify), pipelined and per call."""
     fn = tree_verify(target, budget, run.compile, prompt_len=CONTEXT, feature_layers=feature_layers)
     run.first_calls("ar", fn)
-    return dict(ms=pipelined_ms(fn, run.device, run.back_to_back), per_call_ms=per_call_ms(fn, run.device,
-                                                                                          run.repeats))
+    return dict(ms=pipelined_ms(fn, run.device, run.back_to_back),
+                per_call_ms=per_call_ms(fn, run.device, run.repeats))
 
 
 def verify_8b(run, budget: int) -> float:
-    """Verify milliseconds at `budget` on the 8B pair (with the drafter's features, as the round's verify), measured
+    """Verify milliseconds at `budget` on the 8B pair (the drafter's features included, as in the round), measured
     once per call."""
     done = run.results.setdefault("verify", {})
     if budget not in done:
@@ -678,47 +467,40 @@ def verify_curve(run, out):
         out[budget] = run.results["verify"][budget]
 
 
-def projection_needs(run) -> dict:
-    """The graphs projection compiles: what earlier parts of this call left unmeasured."""
+def projection_graphs(run) -> dict:
+    """What projection compiles: what the parts before it in this call left unmeasured."""
     rounds = run.results.get("rounds") or {}
-    graphs = dict(ar=0 if "ar" in run.results else 1, tiny=0, round=0)
-    if not rounds:  # round-profile's round at B = 64
-        graphs = dict(ar=graphs["ar"] + 2, tiny=4, round=1)
+    graphs = dict(ar=0 if "ar" in run.results else 1, tiny=0 if rounds else 4, round=0 if rounds else 1)
     verifies = {CHAIN_BUDGET} | {b for b in PAPER["budgets"] if b not in rounds}
-    graphs["ar"] += len(verifies - set(run.results.get("verify", {})))
+    graphs["ar"] += (0 if rounds else 2) + len(verifies - set(run.results.get("verify", {})))
     return graphs
 
 
 def projection(run, out):
-    """tau x (AR step / round time) per budget: the speedup over our own AR if our drafter accepted as the paper's
-    did. A round at a budget this call did not run whole is estimated from the measured round at the base budget
-    (round-profile's) with its verify stage replaced by the measured verify at that budget (the same forward:
-    the drafter's features included); the chain's also without the tree stage (its drafts are the argmax)."""
+    """tau x (AR step / round) per budget: the speedup over our own AR were our drafter to accept as the paper's.
+    A round not run whole at a budget is the measured base round (round-profile's) with its verify stage swapped
+    for the verify at that budget (the same forward, features included); the chain's also without the tree stage
+    (its drafts are the argmax)."""
     target, drafter = run.pair8b()
     if "ar" not in run.results:
         run.results["ar"] = ar_step(run, target, profile=False)
     if not run.results.get("rounds"):
         run.results["rounds"] = {64: round_stages(run, target, drafter, 64)}
-    ar = run.results["ar"]["pipelined_ms"]
-    base = min(run.results["rounds"])
+    ar, base = run.results["ar"]["pipelined_ms"], min(run.results["rounds"])
     r0 = run.results["rounds"][base]
     rest = r0["round_ms"] - r0["stages_ms"]["verify"]
     if rest <= 0:  # a noisy machine measured the whole round under its verify alone: the other stages' sum instead
         rest = r0["stages_sum_ms"] - r0["stages_ms"]["verify"]
-    rows = {}
-    for budget, paper in PAPER["budgets"].items():
-        if budget in run.results["rounds"]:
-            ms, source = run.results["rounds"][budget]["round_ms"], "the whole round, measured"
-        else:
-            ms, source = rest + verify_8b(run, budget), f"round at B={base} with the verify at B={budget}"
-        rows[f"ddtree-B{budget}"] = dict(paper, round_ms=ms, source=source)
-    rows["dflash-chain"] = dict(PAPER["chain"], source=f"round at B={base} without its tree stage, with the verify "
-                                f"of {CHAIN_BUDGET + 1} rows",
-                                round_ms=rest - r0["stages_ms"]["tree"] + verify_8b(run, CHAIN_BUDGET))
+    rows = {f"ddtree-B{b}": dict(paper, round_ms=run.results["rounds"][b]["round_ms"], source="measured whole")
+            if b in run.results["rounds"] else
+            dict(paper, round_ms=rest + verify_8b(run, b), source=f"round at B={base}, verify at B={b}")
+            for b, paper in PAPER["budgets"].items()}
+    rows["dflash-chain"] = dict(PAPER["chain"], round_ms=rest - r0["stages_ms"]["tree"] + verify_8b(run, CHAIN_BUDGET),
+                                source=f"round at B={base} without its tree, verify of {CHAIN_BUDGET + 1} rows")
     for key, r in rows.items():
         r.update(projected_speedup=r["tau"] * ar / r["round_ms"], tokens_per_s=r["tau"] * 1e3 / r["round_ms"])
-        run.say(f"  {key}: tau {r['tau']} (paper) x AR {ar:.3f} ms / round {r['round_ms']:.3f} ms = "
-                f"{r['projected_speedup']:.2f}x ({r['tokens_per_s']:.0f} tokens/s); paper {r['speedup']}x "
+        run.say(f"  {key}: tau {r['tau']} x AR {ar:.3f} ms / round {r['round_ms']:.3f} ms = "
+                f"{r['projected_speedup']:.2f}x ({r['tokens_per_s']:.0f} tokens/s); the paper's {r['speedup']}x "
                 f"[{r['source']}]")
     out.update(ar_ms=ar, ar_tokens_per_s=1e3 / ar, rows=rows,
                paper="DDTree paper (Ringel & Romano), Table 1 and Fig. 4: Qwen3-8B, MATH-500, T = 0")
@@ -727,21 +509,20 @@ def projection(run, out):
 # ------------------------------------------------------------------------------------------------ hybrid parts
 
 
-def bounded_tree(budget: int, max_depth: int, seed: int = 0):
-    """(parents [B], deepest depth): node i hangs under a random earlier row no deeper than max_depth - 1, so the
-    tree is at most max_depth deep, as a round's tree is at most L deep."""
+def bounded_tree(budget: int, max_depth: int, seed: int = 0) -> torch.Tensor:
+    """parents [B]: node i hangs under a random earlier row less than max_depth deep, so that the tree is at most
+    max_depth deep, as a round's tree is at most L deep."""
     g = torch.Generator().manual_seed(seed)
     depths, parents = [0], []
     for _ in range(budget):
         allowed = [r for r, d in enumerate(depths) if d < max_depth]
-        p = allowed[int(torch.randint(0, len(allowed), (1,), generator=g))]
-        parents.append(p)
-        depths.append(depths[p] + 1)
-    return torch.tensor(parents), max(depths)
+        parents.append(allowed[int(torch.randint(0, len(allowed), (1,), generator=g))])
+        depths.append(depths[parents[-1]] + 1)
+    return torch.tensor(parents)
 
 
 def captured(fn, device):
-    """fn as a CUDA graph's replay (captured after warm-up calls on a side stream), or the error capturing gave."""
+    """(fn's CUDA graph's replay, None) after warm-up calls on a side stream, or (None, the capture's error)."""
     try:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -758,18 +539,17 @@ def captured(fn, device):
 
 
 def hybrid_rule(run, out):
-    """gated_delta.tree_gated_delta at Qwen3.5-27B's recurrent shapes (q and k from 16 key heads, repeated to the 48
-    value heads as the layer hands them over; 128-dim heads; float32), one request, trees of R rows at most 15
-    deep (the drafter's 15 positions), per layer and for the 48 layers."""
+    """gated_delta.tree_gated_delta at Qwen3.5-27B's recurrent shapes (q and k of 16 key heads repeated to the 48
+    value heads, as the layer hands them over; heads of 128; float32), trees of R rows at most 15 deep (the
+    drafter's positions), per layer and for the 48 layers."""
     hk, hv, dim, layers = (2, 4, 32, 48) if run.a.small else (16, 48, 128, 48)
     gen = torch.Generator().manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=gen).to(run.device)  # noqa: E731
     for rows in (65, 257, 513):
-        parents, _ = bounded_tree(rows - 1, 15)
-        anc = ancestor_matrix(parents[None], 15, dtype=torch.uint8).to(run.device)
-        rand = lambda *s: torch.randn(*s, generator=gen).to(run.device)  # noqa: E731
+        anc = ancestor_matrix(bounded_tree(rows - 1, 15)[None], 15, dtype=torch.uint8).to(run.device)
         q, k = (gated_delta.l2norm(rand(1, rows, hk, dim)).repeat_interleave(hv // hk, dim=2) for _ in range(2))
-        v, g = rand(1, rows, hv, dim), -torch.rand(1, rows, hv, generator=gen).to(run.device)
-        beta, state = torch.rand(1, rows, hv, generator=gen).to(run.device), 0.1 * rand(1, hv, dim, dim)
+        v, g, beta = rand(1, rows, hv, dim), -rand(1, rows, hv).abs(), rand(1, rows, hv).sigmoid()
+        state = 0.1 * rand(1, hv, dim, dim)
         for solve in ("triangular", "series"):
             gated_delta.TREE_SOLVE = solve  # read at each eager call
             try:
@@ -782,16 +562,15 @@ def hybrid_rule(run, out):
                         rec["graph_ms"] = pipelined_ms(replay, run.device, run.back_to_back)
             finally:
                 gated_delta.TREE_SOLVE = "triangular"
-            best = rec.get("graph_ms", rec["eager_ms"])
-            rec[f"{layers}_layers_ms"] = best * layers
+            rec[f"{layers}_layers_ms"] = rec.get("graph_ms", rec["eager_ms"]) * layers
             out[f"R{rows}-{solve}"] = rec
-            run.say(f"  R={rows} {solve}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                                        for k, v in rec.items() if v is not None))
+            run.say(f"  R={rows} {solve}: {rec}")
 
 
 def hybrid_slice(run, out):
     """Four layers of Qwen3.5-27B (--small: of the small hybrid) in bf16, the 8B pair freed first."""
-    run.drop_models()
+    run.models.clear()
+    run.forget()
     target = build_target(SMALL_HYBRID if run.a.small else HYBRID_SLICE, run.device, run.dtype)
     out["weights_gb"] = sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9
     out["ar"] = ar_step(run, target, profile=False)
@@ -803,16 +582,14 @@ def hybrid_slice(run, out):
         rec["extra_peak_gb"] = (torch.cuda.max_memory_allocated(run.device) - base) / 1e9 if run.cuda else None
         run.say(f"  verify B={budget}: {rec['ms']:.3f} ms ({rec['ms'] / out['ar']['pipelined_ms']:.1f}x the AR "
                 f"step), extra peak {rec['extra_peak_gb']} GB")
-    del target
-    run.drop_models()
 
 
 # -------------------------------------------------------------------------------------------------------- flex
 
 
-# (heads, kv heads, head size, query rows, K/V written in the graph in float32 as the engine's layers do): Qwen3-8B's
-# G = 4 at the engine's lengths (decode, verify rows, a block, a prefill chunk), the drafter's block at G = 2,
-# Qwen3.5-27B's G = 6 with heads of 256, Qwen3-30B-A3B's G = 8 at one row. --small: one case per shape.
+# (heads, kv heads, head size, query rows, K/V written in the graph in float32 as the engine's layers do):
+# Qwen3-8B's G = 4 at the engine's lengths (decode, verify rows, a block, a prefill chunk), the drafter's block at
+# G = 2, Qwen3.5-27B's G = 6 with heads of 256, Qwen3-30B-A3B's G = 8 at one row. --small: a case per shape.
 FLEX_CASES = [(16, 4, 128, q, False) for q in (1, 17, 65, 128, 513)] + [(8, 4, 128, 8, True)] + \
              [(24, 4, 256, q, False) for q in (1, 17, 65, 513)] + [(32, 4, 128, 1, False)]
 SMALL_FLEX_CASES = [(16, 4, 128, 17, False), (8, 4, 128, 8, True), (24, 4, 256, 65, False), (32, 4, 128, 1, False)]
@@ -824,8 +601,7 @@ def flex(run, out):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # a graph per case
     for heads, kv_heads, dim, rows, write in SMALL_FLEX_CASES if run.a.small else FLEX_CASES:
         key = f"G{heads // kv_heads}-d{dim}-q{rows}" + ("-write-f32" if write else "")
-        dtype = torch.float32 if write else run.dtype
-        t = time.perf_counter()
+        dtype, t = torch.float32 if write else run.dtype, time.perf_counter()
         try:
             diff = flex_case(run, dtype, heads, kv_heads, dim, rows, write)
             out[key] = dict(max_diff=diff, ok=diff <= (1e-4 if dtype == torch.float32 else 2e-2))
@@ -840,16 +616,15 @@ def flex(run, out):
 
 
 def flex_case(run, dtype, heads, kv_heads, dim, q_len, write, kv_len=1024) -> float:
-    device = run.device
-    mask = PrefixMask(q_len, kv_len, device)
+    device, mask = run.device, PrefixMask(q_len, kv_len, run.device)
     options = flex_kernel_options(q_len, device.type)
-    flex_attention = torch.nn.attention.flex_attention.flex_attention
 
     def attend(q, k, v, k_new, v_new, slots):
         if write:
             k.index_copy_(2, slots, k_new)
             v.index_copy_(2, slots, v_new)
-        return flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=True, kernel_options=options)
+        return torch.nn.attention.flex_attention.flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=True,
+                                                                kernel_options=options)
 
     if run.compile:
         attend = torch.compile(attend, dynamic=False, fullgraph=True)
@@ -860,8 +635,8 @@ def flex_case(run, dtype, heads, kv_heads, dim, q_len, write, kv_len=1024) -> fl
         anc = ancestor_matrix(parents).to(device)
         mask.set(prefix, anc)
         q = torch.randn(1, heads, q_len, dim, generator=gen).to(device, dtype)
-        k, v = (torch.randn(1, kv_heads, kv_len, dim, generator=gen).to(device, dtype) for _ in range(2))
-        k_new, v_new = (torch.randn(1, kv_heads, q_len, dim, generator=gen).to(device, dtype) for _ in range(2))
+        k, v, k_new, v_new = (torch.randn(1, kv_heads, n, dim, generator=gen).to(device, dtype)
+                              for n in (kv_len, kv_len, q_len, q_len))
         slots = torch.arange(prefix, prefix + q_len, device=device)
         if not write:  # the reference sees the new rows either way
             k[:, :, slots], v[:, :, slots] = k_new, v_new
@@ -878,26 +653,28 @@ def flex_case(run, dtype, heads, kv_heads, dim, q_len, write, kv_len=1024) -> fl
 # -------------------------------------------------------------------------------------------------------- main
 
 
+# name: (fn(run, out) filling the part's results and raising on a failure; fn(run) -> {kind: graphs it compiles},
+# for its price; its seconds besides compiling (on a GPU at full shapes, on a CPU or with --small))
 PARTS = {
-    "hybrid-tiny": Part(hybrid_tiny, lambda r: dict(tiny=5 * r.graphs_per_engine()), (20, 30)),
-    "pair-smoke": Part(pair_smoke, lambda r: dict(tiny=2 * r.graphs_per_engine()), (15, 20)),
-    "ar-profile": Part(ar_profile, lambda r: dict(ar=1), (25, 10)),
-    "round-profile": Part(round_profile, lambda r: dict(ar=2 * len(r.a.round_budgets), tiny=4 * len(
-        r.a.round_budgets), round=len(r.a.round_budgets)), (20, 10)),
-    "verify-curve": Part(verify_curve, lambda r: dict(ar=len(set(r.a.verify_budgets) - set(r.results.get(
-        "verify", {})))), (10, 5)),
-    "projection": Part(projection, projection_needs, (10, 5)),
-    "hybrid-rule": Part(hybrid_rule, lambda r: {}, (30, 10)),
-    "hybrid-slice": Part(hybrid_slice, lambda r: dict(ar=3), (30, 10)),
-    "flex": Part(flex, lambda r: dict(tiny=len(SMALL_FLEX_CASES if r.a.small else FLEX_CASES)), (20, 20)),
+    # hybrid-tiny: five engines' rounds; on a GPU also prefills: ar's, the drafter engines' and the series one's
+    "hybrid-tiny": (hybrid_tiny, lambda r: dict(tiny=8 if r.cuda else 5), (20, 30)),
+    "pair-smoke": (pair_smoke, lambda r: dict(tiny=2 * r.graphs_per_engine()), (15, 20)),
+    "ar-profile": (ar_profile, lambda r: dict(ar=1), (25, 10)),
+    "round-profile": (round_profile, lambda r: {k: n * len(r.a.round_budgets) for k, n in
+                                                dict(ar=2, tiny=4, round=1).items()}, (20, 10)),
+    "verify-curve": (verify_curve, lambda r: dict(ar=len(set(r.a.verify_budgets) - set(r.results.get("verify", {})))),
+                     (10, 5)),
+    "projection": (projection, projection_graphs, (10, 5)),
+    "hybrid-rule": (hybrid_rule, lambda r: {}, (30, 10)),
+    "hybrid-slice": (hybrid_slice, lambda r: dict(ar=3), (30, 10)),
+    "flex": (flex, lambda r: dict(tiny=len(SMALL_FLEX_CASES if r.a.small else FLEX_CASES)), (20, 20)),
 }
-ALL_PARTS = list(PARTS)
-FIRST_PARTS = ["hybrid-tiny", "pair-smoke", "ar-profile", "round-profile", "verify-curve", "projection",
-               "hybrid-rule", "hybrid-slice"]
+FIRST_PARTS = ["hybrid-tiny", "pair-smoke", "ar-profile", "round-profile", "projection", "hybrid-rule"]
+IF_TIME_REMAINS = ["verify-curve", "hybrid-slice", "flex"]
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, as the project's command lines do
+    def error(self, message):  # one line and exit 2, as the project's command lines do
         sys.stderr.write(f"error: {message}\n")
         sys.exit(2)
 
@@ -906,28 +683,25 @@ def parse_args(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu")
     p.add_argument("--small", action="store_true", help="small shapes and every part: the script on a CPU")
-    p.add_argument("--eager", action="store_true", help="compile nothing (the test suite's quick run)")
-    p.add_argument("--parts", nargs="+", choices=ALL_PARTS, metavar="PART",
-                   help=f"parts to run, in this order (default: {' '.join(FIRST_PARTS)}; with --small all)")
-    p.add_argument("--deadline", type=float, default=None,
-                   help="seconds from the start: a part priced to end later is skipped (default 500; --small 1500)")
-    p.add_argument("--part-seconds", type=float, default=None,
-                   help="each part's alarm, seconds (default 300; --small 900)")
+    p.add_argument("--eager", action="store_true", help="compile nothing (the test suite's quick runs)")
+    p.add_argument("--parts", nargs="+", choices=list(PARTS), metavar="PART",
+                   help=f"parts to run, in this order (default: {' '.join(FIRST_PARTS)}, then if time remains "
+                        f"{' '.join(IF_TIME_REMAINS)}; with --small all)")
+    p.add_argument("--deadline", type=float, help="seconds from the start: a part priced to end later is skipped "
+                                                  "(default 500; --small 1500)")
+    p.add_argument("--part-seconds", type=float, help="each part's alarm (default 300; --small 900)")
     p.add_argument("--round-budgets", type=int, nargs="+", default=[64])
     p.add_argument("--verify-budgets", type=int, nargs="+", default=[128, 512])
-    p.add_argument("--repeats", type=int, default=None, help="per-call timings per measure (default 20; CPU 5)")
-    p.add_argument("--json", default=None, help="where the JSON goes (rewritten after every part)")
-    p.add_argument("--plant-failure", choices=ALL_PARTS, help=argparse.SUPPRESS)  # the report's own test
+    p.add_argument("--repeats", type=int, help="synchronized calls per timing (default 20; CPU 5)")
+    p.add_argument("--json", help="where the JSON goes (rewritten after every part)")
+    p.add_argument("--plant-failure", choices=list(PARTS), help=argparse.SUPPRESS)  # the report's own test
     a = p.parse_args(argv)
-    a.parts = a.parts or (ALL_PARTS if a.small else FIRST_PARTS)
-    a.deadline = a.deadline if a.deadline is not None else (1500.0 if a.small else 500.0)
-    a.part_seconds = a.part_seconds if a.part_seconds is not None else (900.0 if a.small else 300.0)
-    if len(set(a.parts)) != len(a.parts):
+    a.deadline = (1500.0 if a.small else 500.0) if a.deadline is None else a.deadline
+    a.part_seconds = (900.0 if a.small else 300.0) if a.part_seconds is None else a.part_seconds
+    if a.parts and len(set(a.parts)) != len(a.parts):
         p.error(f"--parts names a part twice: {' '.join(a.parts)}")
-    if min(a.round_budgets + a.verify_budgets) < 1:
-        p.error("budgets must be at least 1")
-    if a.deadline <= 0 or a.part_seconds <= 0 or (a.repeats is not None and a.repeats < 1):
-        p.error("--deadline and --part-seconds must be positive, --repeats at least 1")
+    if min(a.round_budgets + a.verify_budgets) < 1 or a.deadline <= 0 or a.part_seconds <= 0 or (a.repeats or 1) < 1:
+        p.error("budgets and --repeats must be at least 1, --deadline and --part-seconds positive")
     try:
         device = torch.device(a.device)
     except RuntimeError:
@@ -936,24 +710,23 @@ def parse_args(argv=None):
         p.error(f"--device {a.device!r}: this check runs on cuda or cpu")
     if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
         p.error(f"--device {a.device!r}: no such CUDA device here (use --device cpu --small on a CPU)")
-    if a.json and not os.access(os.path.dirname(os.path.abspath(a.json)) or ".", os.W_OK) and \
-            os.path.exists(os.path.dirname(os.path.abspath(a.json))):
-        p.error(f"--json {a.json!r}: its folder cannot be written")
     return a
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    requested = a.parts or (list(PARTS) if a.small else FIRST_PARTS)
     run = Run(a)
+    run.out["requested"] = requested
     run.say(f"versions: {run.out['versions']}; clocks: {run.out['clocks_at_start']}")
     run.save()
     with torch.inference_mode():
-        for name in a.parts:
-            run.run_part(name)
+        for name in requested + [p for p in IF_TIME_REMAINS if p not in requested and not a.parts and not a.small]:
+            run.run_part(name, requested=name in requested)
     run.out["clocks_at_end"] = clocks(run.device)
-    run.out["not_ok"] = [k for k in a.parts if run.out["parts"][k]["status"] != "ok"]
-    run.say(f"parts not ok: {run.out['not_ok'] or 'none'}")
+    run.out["not_ok"] = [k for k in requested if run.out["parts"][k]["status"] != "ok"]
+    run.say(f"requested parts not ok: {run.out['not_ok'] or 'none'}")
     run.save()
     return 1 if run.out["not_ok"] else 0
 
