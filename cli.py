@@ -25,15 +25,10 @@ from text import Streamer, Text
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(
+    p = one_line_errors(argparse.ArgumentParser(
         description="DDTree speculative decoding with a Qwen3 target and a DFlash drafter.",
         epilog="An option that does not apply to the chosen method (e.g. --budget with --method dflash, --top-k "
-               "with greedy decoding) is an error, not ignored; --seed is accepted everywhere.")
-
-    def error(message):  # argparse's own errors end as ours do: one `error:` line, exit 2 (not usage + message)
-        raise ValueError(f"{message} (see --help)")
-
-    p.error = error
+               "with greedy decoding) is an error, not ignored; --seed is accepted everywhere."))
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt")
     source.add_argument("--prompts-file", help="many requests, run as batches: one JSON string or object "
@@ -71,6 +66,16 @@ def parse_args(argv):
     p.add_argument("--show-tree", action="store_true", default=None,
                    help="dflash, ddtree: print the first round's tree with accepted marks")
     return p.parse_args(argv)
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse's own errors end as ours do (the scripts' too): a ValueError, which main() makes one `error:` line,
+    exit 2 (not usage + message)."""
+    def error(message):
+        raise ValueError(f"{message} (see --help)")
+
+    parser.error = error
+    return parser
 
 
 def as_int(name: str, text: str | None) -> int | None:

@@ -5,6 +5,7 @@ round), and the tally: what smaller budgets and the chain would have accepted, r
 import itertools
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ from ddtree import generate, generate_batch
 from draft_tree import build_tree
 from test_batch import STOP, ragged_prompts, write_pair
 from test_draft_tree import SETTINGS, batches_with_budget
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import calibrate as calibrate_script  # noqa: E402
 
 GRID = (2, 6, 12)  # tree sizes for the tiny pair (block 5: 4 draft positions)
 
@@ -172,6 +176,25 @@ def test_an_unwritable_cost_cache_keeps_the_calibration_and_generates(pair, monk
     assert res.tokens == ar.tokens
     code, out, err = cli("--prompt", "def f(x):", "--budget", "auto", "--max-new-tokens", "4")  # the bundled pair
     assert code == 0 and out and "warning: cannot write the cost cache" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "0"], "--batch must be in [1, "),
+    (["--threads", "0"], "--threads must be in [1, "),
+    (["--top-k", "4"], "--top-k does not apply to method 'ddtree' with greedy decoding"),
+    (["--temperature", "-1"], "--temperature must be finite and >= 0"),
+    (["--denoise-steps", "9"], "--denoise-steps 9 exceeds the drafter's 7 draft positions"),
+    (["--prompt-len", "100000"], "prompt (100000 tokens) + --max-new-tokens (256) exceeds the target's "
+                                 "max_position_embeddings (2048)"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be in [1, "),
+    (["--batch", "two"], "--batch"),
+])
+def test_calibrate_script_refuses_bad_settings_and_stores_nothing(args, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
+    code = calibrate_script.main(args)
+    out, err = capsys.readouterr()
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, (code, out, err)
+    assert not (tmp_path / "costs.json").exists()
 
 
 def test_calibration_ends_the_curve_where_trees_cannot_beat_plain_decoding(monkeypatch):
