@@ -17,7 +17,8 @@ and must be rejected, which shows the run has the power to see a real bug.
     python scripts/stat_test.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --device cuda ...
 
 Exit status 1 if the real run's p-value is below --alpha (1e-6) or the control's is not. With --temperature 0 the
-check is instead that every sample equals the AR greedy sequence (no control).
+check is instead that every sample equals the AR greedy sequence (no control). Options are checked before anything
+runs, as the command line checks its own: one `error:` line and exit status 2.
 
 Speed. Eager FlexAttention on a CPU costs ~9 ms per call whatever the size (its math path vmaps the mask_mod over
 [queries, all cache slots] through Python), so the engine's eager CPU runs hand their layers the same mask_mod
@@ -66,9 +67,11 @@ from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling, sample, warp_probs  # noqa: E402
 from tree_attn import PrefixMask, causal  # noqa: E402
-from settings import grouped  # noqa: E402
+from cli import in_flags, one_line_errors  # noqa: E402
+from settings import Speculation, check_int, check_settings, grouped  # noqa: E402
 
 ALPHA = 1e-6
+DEFAULT_BUDGET = 5  # ddtree's tree nodes
 CONTROLS = ("auto", "none", "residual_p", "own_row", "unwarped", "shared_noise", "stale_commit")
 MAX_CELLS = 200_000
 
@@ -474,11 +477,11 @@ def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: st
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ddtree")
-    p.add_argument("--budget", type=lambda v: v if v == "auto" else int(v), default=5,
-                   help="tree nodes, or auto (budget auto, its candidates taking the rounds in a fixed cycle: "
-                        "switching_auto)")
+    p.add_argument("--budget", type=budget_value, default=None,
+                   help=f"ddtree: tree nodes (default {DEFAULT_BUDGET}), or auto (budget auto, its candidates taking "
+                        "the rounds in a fixed cycle: switching_auto)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -516,6 +519,56 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def budget_value(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of nodes or 'auto': {text!r}") from None
+
+
+def check_args(a):
+    """The options checked before anything runs, as the command line checks its own: a setting that does not apply
+    to the method is refused (settings.check_settings), and a --json file that could not be written is an error
+    now rather than after the run."""
+    check_settings(a.method, Sampling(a.temperature, a.top_k, a.top_p, a.min_p), a.budget,
+                   Speculation(draft_temperature=a.draft_temperature, draft_sampling=a.draft_sampling,
+                               denoise_steps=a.denoise_steps))
+    if not 0 < a.alpha < 1:
+        raise ValueError(f"--alpha must be in (0, 1), got {a.alpha}")
+    for flag, value, low in (("--samples", a.samples, 1), ("--control-samples", a.control_samples, 1),
+                             ("--n-tokens", a.n_tokens, 1), ("--batch", a.batch, 1), ("--threads", a.threads, 1),
+                             ("--block-size", a.block_size, 2), ("--vocab", a.vocab, 2)):
+        if value is not None:
+            check_int(flag, value, low)
+    if a.bundled:
+        a.target, a.draft = ddtree.DEFAULT_TARGET, ddtree.DEFAULT_DRAFT
+    if (a.target is None) != (a.draft is None) and a.method != "ar":
+        raise ValueError("give both --target and --draft, or neither (a random pair)")
+    if a.hybrid and (a.target is not None or a.moe):
+        raise ValueError("--hybrid is for the random pair, without --target / --draft / --bundled / --moe")
+    if a.prompt is not None and a.text is not None:
+        raise ValueError("give --prompt (token ids) or --text, not both")
+    if a.json is not None:
+        folder = os.path.dirname(os.path.abspath(a.json))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--json {a.json}: no directory {folder}")
+        if os.path.isdir(a.json) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--json {a.json}: cannot be written")
+
+
+def token_ids(text: str, vocab: int) -> list[int]:
+    """--prompt: comma-separated token ids in [0, vocab)."""
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--prompt must be token ids separated by commas, got {text!r}") from None
+    if not all(0 <= t < vocab for t in ids):
+        raise ValueError(f"--prompt: token ids must lie in [0, {vocab}) for this target, got {text}")
+    return ids
+
+
 def write_json(path: str, a, out: dict, good: bool, seconds: float, vocab: int, prompt: list[int]):
     """The run's settings (the command-line options), the exact law's summary and each run's numbers (without the
     per-cell counts), as one JSON object."""
@@ -535,22 +588,23 @@ def write_json(path: str, a, out: dict, good: bool, seconds: float, vocab: int, 
 
 
 def main(argv=None) -> int:
-    a = parse_args(argv)
+    """Bad options are one `error:` line and exit status 2, as on the command line; then 0 (PASS) or 1 (FAIL)."""
+    try:
+        a = parse_args(argv)
+        check_args(a)
+        return run(a)
+    except (ValueError, TypeError) as e:
+        print(f"error: {in_flags(str(e))}", file=sys.stderr)
+        return 2
+
+
+def run(a) -> int:
     torch.set_num_threads(a.threads)
-    if a.method == "ar" and a.draft_sampling:
-        raise SystemExit("--draft-sampling needs --method dflash")
-    if a.bundled:
-        a.target, a.draft = ddtree.DEFAULT_TARGET, ddtree.DEFAULT_DRAFT
-    if (a.target is None) != (a.draft is None) and a.method != "ar":
-        raise SystemExit("give both --target and --draft, or neither (a random pair)")
-    if a.hybrid and (a.target is not None or a.moe):
-        raise SystemExit("error: --hybrid is for the random pair, without --target / --draft / --bundled / --moe")
+    budget = (a.budget if a.budget is not None else DEFAULT_BUDGET) if a.method == "ddtree" else None
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         target_path, draft_path = a.target, a.draft
         if target_path is None:
-            if a.vocab < 2:
-                raise SystemExit("--vocab must be >= 2")
             t, d = write_random_pair(tmp, a.vocab, a.pair_seed, a.target_std, a.draft_std, a.block_size,
                                      moe=a.moe, hybrid=a.hybrid)
             target_path, draft_path = target_path or t, draft_path or d
@@ -560,21 +614,18 @@ def main(argv=None) -> int:
             from text import Text
             prompt = Text(target.path).encode(a.text)
         else:
-            prompt = ([int(x) for x in a.prompt.split(",")] if a.prompt else [(1 + i) % V for i in range(3)])
+            prompt = token_ids(a.prompt, V) if a.prompt else [(1 + i) % V for i in range(3)]
         sampling_kw = dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p)
         shown = prompt if len(prompt) <= 12 else f"{prompt[:12]}..({len(prompt)} tokens)"
-        print(f"method={a.method} budget={a.budget} draft_sampling={a.draft_sampling} "
+        print(f"method={a.method} budget={budget} draft_sampling={a.draft_sampling} "
               f"draft_temperature={a.draft_temperature} denoise_steps={a.denoise_steps} {sampling_kw} "
               f"n_tokens={a.n_tokens} vocab={V} prompt={shown} attention={a.attention} batch={a.batch}"
               + (f" block_size={drafter.block_size}" if drafter is not None else ""))
         if Sampling(**sampling_kw).greedy:
             ar = generate(target, None, prompt, method="ar", max_new_tokens=a.n_tokens, stop_ids=[]).tokens
-        try:
-            out = run_check(target, drafter, prompt, a.n_tokens, a.samples, sampling_kw, a.method, a.budget,
-                            a.draft_sampling, a.draft_temperature, a.control, a.seed, a.attention, a.control_samples,
-                            a.denoise_steps, a.alpha, a.batch)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+        out = run_check(target, drafter, prompt, a.n_tokens, a.samples, sampling_kw, a.method, budget,
+                        a.draft_sampling, a.draft_temperature, a.control, a.seed, a.attention, a.control_samples,
+                        a.denoise_steps, a.alpha, a.batch)
         if Sampling(**sampling_kw).greedy:
             law = out["law"]
             ok = out["real"]["counts"][law.sequences.index(tuple(ar))] == a.samples

@@ -226,3 +226,23 @@ def test_sampled_ddtree_on_a_hybrid_target_follows_the_law(hybrid_pair):
             bp, _, _, btv = st.chi_square(law.counts(bad), law.probs)
             print(f"  planted {control}: p = {bp:.2e}, TV = {btv:.3f}")
             assert bp < ALPHA, f"planted bug {control} not detected: p = {bp:.3e}, TV = {btv:.4f}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--alpha", "1.5"], "--alpha must be in (0, 1)"),
+    (["--alpha", "0"], "--alpha must be in (0, 1)"),
+    (["--method", "dflash", "--budget", "4"], "--budget does not apply to method 'dflash'"),
+    (["--method", "ddtree", "--draft-sampling"], "--draft-sampling does not apply to method 'ddtree'"),
+    (["--budget", "x"], "--budget"),
+    (["--block-size", "1"], "--block-size must be in [2, "),
+    (["--threads", "0"], "--threads must be in [1, "),
+    (["--samples", "0"], "--samples must be in [1, "),
+    (["--prompt", "99999"], "--prompt: token ids must lie in [0, 4)"),
+    (["--prompt", "1,x"], "--prompt must be token ids separated by commas"),
+    (["--json", "/no/such/dir/out.json"], "--json /no/such/dir/out.json: no directory /no/such/dir"),
+])
+def test_bad_arguments_are_one_error_line_before_the_run(args, message, capsys):
+    code = st.main(args + ["--samples", "8"] if "--samples" not in args else args)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and message in err, \
+        (code, out, err)
