@@ -26,6 +26,7 @@ METHODS = ("ddtree", "dflash", "ar")
 DEFAULT_BUDGET = 512  # the paper's tree size
 AUTO_BUDGETS = (4, 16, 64, 256, 512)  # the tree sizes auto chooses among, with "ar" and "chain"
 INT64_MAX = 2**63 - 1
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the weights' types a run takes
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,10 @@ def check_models(target, drafter, method: str):
     if drafter is not None and not isinstance(drafter, DFlashDrafter):
         raise TypeError(f"drafter must be a drafter.DFlashDrafter (DFlashDrafter.from_pretrained) or None, got "
                         f"{kind_of(drafter)}")
+    for name, model in (("target", target), ("drafter", drafter)):
+        if model is not None and model.dtype not in COMPUTE_DTYPES:
+            raise TypeError(f"the {name}'s weights are {model.dtype}: the engine computes in "
+                            f"{', '.join(str(d).removeprefix('torch.') for d in COMPUTE_DTYPES)}")
     if method == "ar" and drafter is not None:
         raise ValueError("drafter does not apply to method 'ar': pass drafter=None")
     if method != "ar" and drafter is None:

@@ -226,6 +226,12 @@ def test_models_of_the_wrong_kind_say_which_argument(pair):
         generate(target, target, [1, 2], max_new_tokens=4)
 
 
+def test_weights_of_a_type_the_engine_cannot_compute_in_are_refused(files):
+    target = Qwen3.from_pretrained(files["target"], device="cpu").to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="the target's weights are torch.float8_e4m3fn"):
+        generate(target, None, [1, 2], method="ar", max_new_tokens=4)
+
+
 def test_numpy_numbers_are_numbers(pair):
     target, drafter = pair
     kw = dict(method="ddtree", budget=4, max_new_tokens=8, stop_ids=[])
