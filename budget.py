@@ -91,18 +91,16 @@ def load_costs(key: str) -> dict | None:
     costs = everything.get(key)
     if costs is None:
         return None
-    if not (isinstance(costs, dict) and all(is_cost(v, untimed=c not in TIMED) for c, v in costs.items())):
+    if not (isinstance(costs, dict) and all(is_cost(v, untimed=c != "ar") for c, v in costs.items())):
         warnings.warn(f"ignoring the calibration in {path}: its round times are not positive numbers; "
                       f"calibrating again")
         return None
     return costs
 
 
-TIMED = ("ar", "chain")  # the candidates a calibration always times (only trees can be too slow to time)
-
-
 def is_cost(value, untimed: bool = True) -> bool:
-    """A calibrated round time: positive seconds, or (untimed) None for a tree that was not timed (pruned)."""
+    """A calibrated round time: positive seconds, or (untimed) None for a candidate that was not timed (pruned), never
+    plain decoding's: every other candidate is measured against it."""
     if value is None:
         return untimed
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
