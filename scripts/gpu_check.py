@@ -539,15 +539,15 @@ def captured(fn, device):
 
 
 def hybrid_rule(run, out):
-    """gated_delta.tree_gated_delta at Qwen3.5-27B's recurrent shapes (q and k of 16 key heads repeated to the 48
-    value heads, as the layer hands them over; heads of 128; float32), trees of R rows at most 15 deep (the
-    drafter's positions), per layer and for the 48 layers."""
+    """gated_delta.tree_gated_delta at Qwen3.5-27B's recurrent shapes (q and k of 16 key heads, v of 48 value heads,
+    all of 128, as the layer hands them over; float32), trees of R rows at most 15 deep (the drafter's positions),
+    per layer and for the 48 layers."""
     hk, hv, dim, layers = (2, 4, 32, 48) if run.a.small else (16, 48, 128, 48)
     gen = torch.Generator().manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=gen).to(run.device)  # noqa: E731
     for rows in (65, 257, 513):
         anc = ancestor_matrix(bounded_tree(rows - 1, 15)[None], 15, dtype=torch.uint8).to(run.device)
-        q, k = (gated_delta.l2norm(rand(1, rows, hk, dim)).repeat_interleave(hv // hk, dim=2) for _ in range(2))
+        q, k = (gated_delta.l2norm(rand(1, rows, hk, dim)) for _ in range(2))
         v, g, beta = rand(1, rows, hv, dim), -rand(1, rows, hv).abs(), rand(1, rows, hv).sigmoid()
         state = 0.1 * rand(1, hv, dim, dim)
         for solve in ("triangular", "series"):
