@@ -456,12 +456,12 @@ class AutoBudget:
                 for c in self.engines})
 
 
-def tally(budgets: tuple, draft_logits, tokens, path, length, next_token) -> torch.Tensor:
+def tally(budgets: tuple, chain, tokens, path, length, next_token) -> torch.Tensor:
     """A tree round's observation for budget auto, made inside the compiled round (Engine's `tally`):
-    [N, len(budgets) + 1], the drafts each of `budgets` and the chain would have accepted this round, read off this
-    one verified tree (the trees are nested; the chain is their spine)."""
+    [N, len(budgets) + 1], the drafts each of `budgets` and the chain (the drafter's greedy drafts [N, D]) would
+    have accepted this round, read off this one verified tree (the trees are nested)."""
     within = accepted_within(path, length, budgets)
-    chain = chain_accepted(draft_logits.argmax(-1), tokens, path, length, next_token)
+    chain = chain_accepted(chain, tokens, path, length, next_token)
     return torch.cat([within, chain[:, None]], dim=1)
 
 

@@ -38,7 +38,8 @@ import compiling
 import cpu
 from batch import RequestsFailed, Result, run_waves
 from budget import AutoBudget, auto_budgets, auto_engine
-from draft_tree import ancestor_matrix, build_tree, build_tree_heap
+from draft_tree import (Lattice, ancestor_matrix, build_lattice_tree, build_lattice_tree_heap, build_tree,
+                        build_tree_heap, walk_lattice)
 from drafter import DFlashDrafter
 from gated_delta import Recurrent
 from model import Qwen3
@@ -180,13 +181,10 @@ class Engine:
             # How deep a round's tree can reach: a tree of B nodes is at most B deep, so a small budget drafts,
             # walks and commits fewer rows. Budget auto's tally reads the chain's L drafts and paths as long.
             self.reach = self.depth if tally else min(self.nodes, self.depth)
-            self.draft_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch)
-            self.draft_mask.allow.fill_(True)  # the block sees itself bidirectionally
-            self.draft_window_mask = None  # the same for sliding-window layers (drafters of hybrid targets)
-            if drafter.config.sliding_window:
-                self.draft_window_mask = PrefixMask(drafter.block_size, max_seq_len, self.device, dense, batch,
-                                                    drafter.config.sliding_window)
-                self.draft_window_mask.allow.fill_(True)
+            # The block sees itself bidirectionally, or causally, or within a sliding window, as each drafter
+            # layer says (docs/checkpoints.md): one mask per kind.
+            self.draft_masks = {kind: block_mask(drafter.block_size, max_seq_len, self.device, dense, batch, *kind)
+                                for kind in drafter.config.mask_kinds}
             self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense, batch)
         self.prefill_step, self.round = self._prefill_step, (self._decode if method == "ar" else self._round)
         self.compile_options, self.build_seconds = {}, 0.0  # the round's inductor options; the CPU kernel's build
@@ -272,17 +270,19 @@ class Engine:
         # its features to the drafter's context.
         self.commit(start, path, length, positions, features, recurrent)
         tree = (tokens, parents, depths, path) if self.spec.show_tree else None
-        tally = None if self.tally is None else self.tally(draft_logits, tokens, path, length, next_token)
+        tally = None if self.tally is None else self.tally(self.chain(draft_logits), tokens, path, length, next_token)
         return rows.gather(1, path), length, next_token, ok, tree, tally
 
     def draft(self, bonus, start):
-        window_mask = None if self.draft_window_mask is None else self.draft_window_mask.set(start)
-        return self.drafter.draft(bonus, start, self.draft_mask.set(start), self.spec.denoise_steps, self.reach,
-                                  window_mask)
+        masks = {kind: mask.set(start) for kind, mask in self.draft_masks.items()}
+        return self.drafter.draft(bonus, start, masks, self.spec.denoise_steps, self.reach)
 
     def propose(self, draft_logits, draft_noise):
         """(tokens, parents, depths, q), each [N, nodes]: the nodes in parent-first order; q the warped draft law
-        when the chain's drafts are sampled (for the min(1, p/q) rule), else None."""
+        when the chain's drafts are sampled (for the min(1, p/q) rule), else None. A DFlash 2 draft (a Lattice)
+        is cut the same ways: its best tree, or the selector's chain."""
+        if isinstance(draft_logits, Lattice):
+            return self.propose_lattice(draft_logits, draft_noise)
         if self.method == "ddtree":
             logq = torch.log_softmax(tempered(draft_logits, self.spec.draft_temperature), dim=-1)
             return (*self.build_tree(logq, self.nodes), None)
@@ -293,6 +293,25 @@ class Engine:
             q = warp_probs(draft_logits, self.sampling)
             return sample(q, draft_noise), chain_parents, depths, q
         return draft_logits.argmax(-1), chain_parents, depths, None
+
+    def propose_lattice(self, lattice, draft_noise):
+        """propose() for a DFlash 2 draft: the best tree of the lattice (its laws tempered by draft_temperature),
+        or the selector's chain: greedy, or sampled at the target's temperature with q over its candidates."""
+        if self.method == "ddtree":
+            logq = torch.log_softmax(tempered(lattice.scores, self.spec.draft_temperature), dim=-1)
+            build = build_lattice_tree if self.build_tree is build_tree else build_lattice_tree_heap
+            return (*build(lattice.tokens, logq, self.nodes), None)
+        n = lattice.tokens.shape[0]
+        chain_parents = torch.arange(self.depth, device=lattice.tokens.device).expand(n, -1)
+        temperature = self.sampling.temperature if self.spec.draft_sampling else 0.0
+        tokens, q = walk_lattice(lattice, self.depth, self.target.config.vocab_size, temperature, draft_noise)
+        return tokens, chain_parents, chain_parents + 1, q
+
+    def chain(self, draft_logits):
+        """The drafter's greedy chain [N, D] (budget auto's tally of what the chain would accept)."""
+        if isinstance(draft_logits, Lattice):
+            return walk_lattice(draft_logits, self.reach, self.target.config.vocab_size)[0]
+        return draft_logits.argmax(-1)
 
     def tree_mask(self, start, parents):
         """The verify mask (prefix + ancestors) and the tree as the recurrent layers take it."""
@@ -528,6 +547,14 @@ def models_in_use(*models):
         for mark in reversed(held):
             mark.owner = None
             mark.lock.release()
+
+
+def block_mask(q_len: int, max_seq_len: int, device, dense: bool, batch: int, window: int | None = None,
+               causal_rows: bool = False) -> PrefixMask:
+    """The drafter block's mask: the context, and the block bidirectionally or causally; within `window`."""
+    mask = PrefixMask(q_len, max_seq_len, device, dense, batch, window)
+    mask.allow.copy_(causal(q_len) if causal_rows else torch.ones(q_len, q_len, dtype=torch.bool))
+    return mask
 
 
 def prefill_chunk(device_type: str) -> int:

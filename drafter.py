@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafter (z-lab checkpoint format) in our own modules.
+"""DFlash block-diffusion drafters (z-lab checkpoint formats, DFlash 1 and 2) in our own modules.
 
 A round drafts one block `[bonus, MASK x (block_size - 1)]` per request at absolute positions start .. start +
 block_size - 1. Every layer is a Qwen3 layer whose keys/values are those of the context (the target's chosen-layer
@@ -9,6 +9,11 @@ so one forward gives block_size - 1 per-position distributions. The embedding an
 Only the context's K/V persist between rounds (one cache buffer per layer, like the target's); the block's K/V
 are written into the slots just after the context and overwritten by the next round. Context features are
 appended with a fixed width so every round has the same shapes and compiles once.
+
+DFlash 2 (`DFlash2DraftModel`) adds two things (docs/checkpoints.md, "DFlash 2"): in every layer a grouped dynamic
+causal convolution over the block's rows around the attention and around the MLP, and a candidate selector: the
+drafter's top-K tokens per position, scored with a low-rank term of the token before them, so that a position's
+law depends on its predecessor (draft_tree.Lattice).
 """
 
 import os
@@ -16,9 +21,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from loading import (check_pair, dflash_config_fields, load_weights, parse_device, parse_dtype, read_json,
                      resolve_checkpoint)
+from draft_tree import Lattice
+from gated_delta import compute_dtype
 from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, rope_cos_sin,
                    rope_inv_freq, run_layer)
 
@@ -30,7 +38,17 @@ class DFlashConfig:
     num_target_layers: int
     target_layer_ids: list[int]
     mask_token_id: int
-    windows: tuple = ()  # per layer: its sliding window (slots) or None (full attention); () = all full
+    # per layer (sliding window or None, causal): how its block rows attend (loading.attention_kinds); () = every
+    # layer (None, False), the whole context and block
+    attention: tuple = ()
+    output_multiplier: float = 1.0  # logits = lm_head(h) * output_multiplier, then the softcap
+    logit_softcap: float | None = None  # final_logit_softcapping: logits = c * tanh(logits / c)
+    input_embedding_scale: float = 1.0  # the block's embeddings are scaled by it
+    # DFlash 2 (0 = DFlash 1): the convolutions' kernel and group sizes, the selector's rank and candidates
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
@@ -38,9 +56,94 @@ class DFlashConfig:
         fields = dflash_config_fields(d, where)
         return cls(model=Qwen3Config(**fields.pop("model")), **fields)
 
+    def attention_of(self, layer: int) -> tuple:
+        return self.attention[layer] if self.attention else (None, False)
+
     @property
-    def sliding_window(self) -> int | None:
-        return next((w for w in self.windows if w is not None), None)
+    def mask_kinds(self) -> list:
+        """The distinct (window, causal) of the layers: one block mask each (ddtree.Engine)."""
+        return sorted({self.attention_of(i) for i in range(self.model.num_hidden_layers)}, key=str)
+
+    @property
+    def selector(self) -> bool:
+        """Whether this is a DFlash 2 drafter (a candidate selector; drafts are a Lattice)."""
+        return self.selector_top_k > 0
+
+
+def grouped_dynamic_conv(x, dynamic, base, group: int):
+    """out[t] = sum_{o < K} (base[o] + dynamic[t, o, g]) * x[t - o] over the rows t of each request's block
+    (x[t - o] = 0 before the block's first row: the context is never convolved). x [N, T, C]; dynamic
+    [N, T, K, C / group] (one correction per group g of `group` channels, from the row's own input); base [K, C]."""
+    N, T, C = x.shape
+    K, groups = base.shape[0], C // group
+    blocks = x.view(N, T, groups, group)
+    out = torch.zeros_like(blocks)
+    for o in range(K):
+        shifted = blocks if o == 0 else F.pad(blocks[:, :T - o], (0, 0, 0, 0, o, 0))
+        out = out + (base[o].view(groups, group) + dynamic[:, :, o, :, None]) * shifted
+    return out.view(N, T, C)
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash 2's convolution around a sublayer: the sublayer's normed input h gives, through one projection, the
+    per-group corrections of two kernels (`prepare`: the first convolves h before the sublayer; `finish`: the
+    second convolves the sublayer's output with the corrections computed from h)."""
+
+    def __init__(self, hidden: int, kernel: int, group: int):
+        super().__init__()
+        self.kernel, self.group = kernel, group
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel, hidden))
+        self.kernel_projection = Linear(hidden, 2 * kernel * (hidden // group))
+
+    def prepare(self, h):
+        dynamic = self.kernel_projection(h).view(*h.shape[:-1], 2, self.kernel, h.shape[-1] // self.group)
+        return grouped_dynamic_conv(h, dynamic[:, :, 0], self.base_kernel[0], self.group), dynamic[:, :, 1]
+
+    def finish(self, out, dynamic):
+        return grouped_dynamic_conv(out, dynamic, self.base_kernel[1], self.group)
+
+
+class DFlash2Block(Block):
+    """A DFlash 2 drafter layer: a Qwen3 layer whose attention and MLP each sit between the two kernels of a
+    GroupedDynamicConv."""
+
+    def __init__(self, c: Qwen3Config, kernel: int, group: int):
+        super().__init__(c)
+        self.attention_conv = GroupedDynamicConv(c.hidden_size, kernel, group)
+        self.mlp_conv = GroupedDynamicConv(c.hidden_size, kernel, group)
+
+    def forward(self, x, cos, sin, cache_pos, mask, recurrent=None):
+        h, dynamic = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, cos, sin, cache_pos, mask), dynamic)
+        h, dynamic = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), dynamic)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's selector: the drafter's top-K tokens at each draft position, each scored by its logit plus a
+    low-rank term coupling it to the token before it, (P[prev] * W h) . S[token], with P, S the predecessor and
+    successor codebooks (stored without `.weight`) and h the drafter's output at the position."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.hidden_projection = Linear(hidden, rank)
+
+    def lattice(self, hidden, logits, anchor) -> Lattice:
+        """hidden [N, L, H], logits [N, L, V] (float32, or float64) of the L draft positions, anchor [N] (the bonus, the token
+        before position 0) -> the Lattice of candidates [N, L, K] (logit order) and scores [N, L, K, K]: row p of
+        position d scores the candidates after candidate p of position d - 1 (after the anchor for d = 0, whose K
+        rows are equal)."""
+        K = min(self.top_k, logits.shape[-1])
+        unary, tokens = logits.topk(K, dim=-1)
+        before = torch.cat([anchor[:, None, None].expand(-1, 1, K), tokens[:, :-1]], dim=1)  # [N, L, K]
+        f = logits.dtype
+        h = self.hidden_projection(hidden).to(f)  # [N, L, r]
+        pred = self.predecessor_codebook[before].to(f) * h[:, :, None]  # [N, L, K, r]
+        succ = self.successor_codebook[tokens].to(f)  # [N, L, K, r]
+        return Lattice(tokens, unary[:, :, None, :] + pred @ succ.transpose(-1, -2))
 
 
 class DFlashDrafter(nn.Module):
@@ -48,9 +151,15 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         c = config.model
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
+        if config.selector:
+            self.layers = nn.ModuleList(DFlash2Block(c, config.conv_kernel_size, config.conv_group_size)
+                                        for _ in range(c.num_hidden_layers))
+            self.candidate_selector = CandidateSelector(c.vocab_size, c.hidden_size, config.selector_rank,
+                                                        config.selector_top_k)
+        else:
+            self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
         for i, layer in enumerate(self.layers):  # which of draft()'s masks each layer takes
-            layer.window = config.windows[i] if config.windows else None
+            layer.mask_kind = config.attention_of(i)
         self.fc = Linear(len(config.target_layer_ids) * c.hidden_size, c.hidden_size)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -91,39 +200,58 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.write_kv(ctx, cos, sin, cache_pos)
 
-    def forward(self, block_tokens, positions, cache_pos, block_mask, rows: slice = slice(None), window_mask=None):
-        """One denoising pass over blocks [N, block_size] -> float32 logits [N, block_size, vocab] of the block's
-        `rows` (row k predicts the token at position start + k; row 0 is the bonus's own row and is not a
-        prediction). Sliding-window layers attend under `window_mask`, the rest under `block_mask`."""
-        embed, lm_head = self.target_parts
+    def forward(self, block_tokens, positions, cache_pos, masks: dict, rows: slice = slice(None)):
+        """One denoising pass over blocks [N, block_size] -> the final normed hidden states [N, block_size, H] of
+        the block's `rows` (row k predicts the token at position start + k; row 0 is the bonus's own row and is
+        not a prediction). Each layer attends under masks[its (window, causal)] (config.mask_kinds)."""
+        embed = self.target_parts[0]
         x = embed(block_tokens)
+        if self.config.input_embedding_scale != 1:
+            x = x * self.config.input_embedding_scale
         cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, x.dtype))
         for layer in self.layers:
-            x = run_layer(layer, x, cos, sin, cache_pos, window_mask if layer.window else block_mask)
-        return lm_head(self.norm(x[:, rows])).float()
+            x = run_layer(layer, x, cos, sin, cache_pos, masks[layer.mask_kind])
+        return self.norm(x[:, rows])
 
-    def draft(self, bonus, start, block_mask, denoise_steps: int = 1, length: int | None = None, window_mask=None):
-        """Per-position draft logits [N, length, vocab] for the first `length` (default and at most
-        block_size - 1) positions after each request's bonus [N] at start [N]. A shorter length changes no logit:
+    def logits(self, hidden):
+        """Logits of hidden states in float32 (float64 for a float64 model): the target's lm_head, times
+        output_multiplier, softcapped."""
+        logits = self.target_parts[1](hidden).to(compute_dtype(hidden.dtype))
+        c = self.config
+        if c.output_multiplier != 1:
+            logits = logits * c.output_multiplier
+        if c.logit_softcap:
+            logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap
+        return logits
+
+    def draft(self, bonus, start, masks: dict, denoise_steps: int = 1, length: int | None = None):
+        """Per-position draft logits [N, length, vocab] (a DFlash 2 drafter: the draft_tree.Lattice of its
+        selector) for the first `length` (default and at most block_size - 1) positions after each request's bonus
+        [N] at start [N]. A shorter length changes no logit:
         every row of the block still runs through every layer (the rows see each other), and only the unused
         rows' final norm and lm_head are skipped; a tree of B nodes is at most B deep, so ddtree needs only
         min(B, block_size - 1) of them.
 
-        `block_mask` must let request n's block see slots [0, start[n] + block_size) (tree_attn.PrefixMask with
-        all-ones allow); `window_mask`, for a drafter with sliding-window layers, the same with the drafter's
-        window (PrefixMask(window=config.sliding_window)). With denoise_steps T > 1, each pass unmasks the most confident still-masked positions
-        (their argmax) and the next pass conditions on them; each position keeps the logits of the pass that
-        decided it (the last pass for those still masked), so the draft is the same per-position form as with
-        T = 1.
+        `masks`, one per config.mask_kinds (ddtree.block_mask), must let request n's block see slots
+        [0, start[n] + block_size) as its layers attend. With denoise_steps T > 1, each pass unmasks the most
+        confident still-masked positions (their argmax) and the next pass conditions on them; each position keeps
+        the logits of the pass that decided it (the last pass for those still masked), so the draft is the same
+        per-position form as with T = 1.
         """
         bs, n = self.block_size, bonus.shape[0]
         length = length or bs - 1
         pos = start[:, None] + torch.arange(bs, device=bonus.device)
-        masks = torch.full((n, bs - 1), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
-        tokens = torch.cat([bonus[:, None], masks], dim=1)
+        mask_tokens = torch.full((n, bs - 1), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
+        tokens = torch.cat([bonus[:, None], mask_tokens], dim=1)
         if denoise_steps == 1:
-            return self(tokens, pos, pos, block_mask, rows=slice(1, 1 + length), window_mask=window_mask)
-        logits = self(tokens, pos, pos, block_mask, window_mask=window_mask)[:, 1:]
+            hidden = self(tokens, pos, pos, masks, rows=slice(1, 1 + length))
+            logits = self.logits(hidden)
+            if self.config.selector:
+                return self.candidate_selector.lattice(hidden, logits, bonus)
+            return logits
+        if self.config.selector:
+            raise ValueError("denoise_steps > 1 is not supported for DFlash 2 drafters")
+        logits = self.logits(self(tokens, pos, pos, masks))[:, 1:]
         masked = torch.ones(n, bs - 1, dtype=torch.bool, device=bonus.device)
 
         def decided_after(passes):  # an equal share of the block is decided by each pass
@@ -135,7 +263,7 @@ class DFlashDrafter(nn.Module):
             chosen = torch.zeros_like(masked).scatter(1, confidence.topk(count, dim=-1).indices, True) & masked
             tokens = torch.cat([tokens[:, :1], torch.where(chosen, logits.argmax(-1), tokens[:, 1:])], dim=1)
             masked = masked & ~chosen
-            new = self(tokens, pos, pos, block_mask, window_mask=window_mask)[:, 1:]
+            new = self.logits(self(tokens, pos, pos, masks))[:, 1:]
             logits = torch.where(masked[..., None], new, logits)
         return logits[:, :length]
 

@@ -3,6 +3,7 @@ field, safetensors weights streamed one tensor at a time into the requested dtyp
 a module: model.py and drafter.py call in."""
 
 import json
+import math
 import os
 import re
 
@@ -485,30 +486,64 @@ def eos_ids_of(path: str, config: dict) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
 def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
-    """drafter.DFlashConfig's fields from a z-lab DFlash config.json, every value checked; its own layers' Qwen3
-    fields as "model" (dense, whatever its target)."""
+    """drafter.DFlashConfig's fields from a z-lab DFlash (1 or 2) config.json, every value checked; its own
+    layers' Qwen3 fields as "model" (dense, whatever its target). A DFlash setting is read as z-lab's `dflash`
+    package reads it: from `dflash_config` first, else from the top level."""
     archs = d.get("architectures") or []
-    if "DFlashDraftModel" not in archs:
-        raise ValueError(f"{where}: not a DFlash drafter (architectures={archs}, expected DFlashDraftModel)")
-    windows = sliding_windows(d, where)
-    rest = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "use_sliding_window")}
-    model = config_fields(rest, where, moe=False)
+    kind = next((a for a in DFLASH_ARCHITECTURES if a in archs), None) if isinstance(archs, list) else None
+    if kind is None:
+        raise ValueError(f"{where}: not a DFlash drafter (architectures={archs}, expected one of "
+                         f"{', '.join(DFLASH_ARCHITECTURES)})")
     dflash = d.get("dflash_config") or {}
     if not isinstance(dflash, dict):
         raise ValueError(f"{where}: dflash_config must be a JSON object")
-    for key, value in (("block_size", d.get("block_size")), ("num_target_layers", d.get("num_target_layers")),
-                       ("dflash_config.mask_token_id", dflash.get("mask_token_id"))):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{where}: {key} must be an integer, got {value!r}")
-    if d["block_size"] < 2:
-        raise ValueError(f"{where}: block_size must be >= 2, got {d['block_size']}")
-    ids = dflash.get("target_layer_ids") or default_target_layer_ids(d["num_target_layers"],
-                                                                     model["num_hidden_layers"])
+
+    def value(key, default=None):
+        return dflash.get(key, d.get(key, default))
+
+    attention = attention_kinds(d, where)
+    rest = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "use_sliding_window",
+                                                    "is_causal")}
+    model = config_fields(rest, where, moe=False)
+    for key in ("block_size", "num_target_layers", "mask_token_id"):
+        if not isinstance(value(key), int) or isinstance(value(key), bool):
+            raise ValueError(f"{where}: {key} must be an integer, got {value(key)!r}")
+    if value("block_size") < 2:
+        raise ValueError(f"{where}: block_size must be >= 2, got {value('block_size')}")
+    ids = value("target_layer_ids") or default_target_layer_ids(value("num_target_layers"),
+                                                                model["num_hidden_layers"])
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"{where}: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
-    return dict(model=model, block_size=d["block_size"], num_target_layers=d["num_target_layers"],
-                target_layer_ids=list(ids), mask_token_id=dflash["mask_token_id"], windows=windows)
+    scales = {}
+    for key, default in (("output_multiplier", 1.0), ("input_embedding_scale", 1.0)):
+        scales[key] = value(key, default)
+        if not isinstance(scales[key], (int, float)) or isinstance(scales[key], bool) or \
+                not math.isfinite(scales[key]) or scales[key] == 0:
+            raise ValueError(f"{where}: {key} must be a finite nonzero number, got {scales[key]!r}")
+    softcap = value("final_logit_softcapping")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
+                                or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"{where}: final_logit_softcapping must be a non-negative number or null, got {softcap!r}")
+    two = dict(conv_kernel_size=0, conv_group_size=0, selector_rank=0, selector_top_k=0)
+    if kind == "DFlash2DraftModel":
+        two = {k: positive(where, {k: value(k)}, k) if value(k) is not None else
+               missing_field(where, f"dflash_config.{k}") for k in two}
+        if model["hidden_size"] % two["conv_group_size"]:
+            raise ValueError(f"{where}: hidden_size={model['hidden_size']} is not a multiple of conv_group_size="
+                             f"{two['conv_group_size']}")
+    return dict(model=model, block_size=value("block_size"), num_target_layers=value("num_target_layers"),
+                target_layer_ids=list(ids), mask_token_id=value("mask_token_id"), attention=attention,
+                output_multiplier=float(scales["output_multiplier"]),
+                input_embedding_scale=float(scales["input_embedding_scale"]),
+                logit_softcap=float(softcap) if softcap else None, **two)
+
+
+def missing_field(where: str, name: str):
+    raise ValueError(f"{where}: a DFlash2DraftModel needs {name}")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -519,25 +554,32 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-def sliding_windows(d: dict, where: str) -> tuple:
-    """Per layer, the window of a "sliding_attention" layer (`sliding_window` slots) or None, from a z-lab config's
-    layer_types (drafters of hybrid targets); () when it names none. The window is applied as z-lab's flash-attention
-    path applies it: a block row sees the slots within sliding_window - 1 of its own (docs/checkpoints.md)."""
+def attention_kinds(d: dict, where: str) -> tuple:
+    """Per drafter layer, how its block rows attend: (window or None, causal), from a z-lab config's layer_types,
+    use_sliding_window, sliding_window and is_causal, as z-lab's `dflash` package reads them through transformers'
+    Qwen3Config; () when every layer sees the whole block and context (None, False). A "sliding_attention" layer is
+    causal (a row sees the block's rows up to its own) unless is_causal is false, and has a window only with
+    use_sliding_window (transformers drops sliding_window otherwise): a row at slot p then sees slots s with
+    p - s < sliding_window (and s - p < sliding_window when not causal). A "full_attention" layer is causal only
+    with is_causal true (docs/checkpoints.md)."""
     kinds = d.get("layer_types")
+    is_causal = d.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise ValueError(f"{where}: is_causal must be true, false or null, got {is_causal!r}")
+    layers = d.get("num_hidden_layers")
     if kinds is None:
         if d.get("use_sliding_window"):
             raise ValueError(f"{where}: use_sliding_window=true without layer_types is not supported")
-        return ()
-    layers = d.get("num_hidden_layers")
+        kinds = ["full_attention"] * (layers if isinstance(layers, int) else 0)
     if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - {"full_attention", "sliding_attention"}:
         raise ValueError(f"{where}: layer_types must list 'full_attention' or 'sliding_attention' for each of the "
                          f"{layers} layers, got {kinds!r}")
-    if "sliding_attention" not in kinds:
-        return ()
-    window = d.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"{where}: sliding_attention layers need a positive integer sliding_window, got {window!r}")
-    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{where}: sliding_window must be a positive integer, got {window!r}")
+    out = tuple((window, kind == "sliding_attention" if is_causal is None else is_causal) if kind ==
+                "sliding_attention" else (None, bool(is_causal)) for kind in kinds)
+    return () if all(kind == (None, False) for kind in out) else out
 
 
 def check_pair(target, drafter):

@@ -102,8 +102,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # As Qwen3: normalize in float32, cast back, then scale (the order matters in bf16).
-        h = x.float()
+        # As Qwen3: normalize in float32 (float64 for a float64 model), cast back, then scale (the order matters in
+        # bf16).
+        h = x.to(compute_dtype(x.dtype))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 

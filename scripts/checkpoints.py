@@ -158,8 +158,13 @@ def save_checkpoint(out_dir: str, config: dict, weights: dict, eos_ids=None):
     atomic_write_all(writes)
 
 
-def dflash_config(target: dict, layers=1, block_size=8, mask_token_id=None, target_layer_ids=None, inter=None) -> dict:
-    """A DFlash drafter config for `target` (a Qwen3 config dict) in z-lab's layout."""
+DFLASH2 = dict(conv_kernel_size=4, conv_group_size=16, selector_rank=16, selector_top_k=8)  # a tiny DFlash 2
+
+
+def dflash_config(target: dict, layers=1, block_size=8, mask_token_id=None, target_layer_ids=None, inter=None,
+                  dflash2: dict | None = None) -> dict:
+    """A DFlash drafter config for `target` (a Qwen3 config dict) in z-lab's layout; with `dflash2` (its
+    dflash_config fields, e.g. DFLASH2), a DFlash 2 drafter's."""
     c = {k: target[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
                                 "head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta")
          if k in target}
@@ -171,6 +176,9 @@ def dflash_config(target: dict, layers=1, block_size=8, mask_token_id=None, targ
         c["rope_theta"] = (target.get("rope_parameters") or {}).get("rope_theta", 1e6)
     if target_layer_ids is not None:
         c["dflash_config"]["target_layer_ids"] = list(target_layer_ids)
+    if dflash2:
+        c["architectures"] = ["DFlash2DraftModel"]
+        c["dflash_config"].update(dflash2)
     return c
 
 
@@ -187,6 +195,17 @@ def random_dflash_weights(c: dict, seed: int = 1, std: float = 0.05) -> dict:
     for i in range(c["num_hidden_layers"]):
         w.update(layer_weights(f"layers.{i}.", H, c["intermediate_size"], c["num_attention_heads"],
                                c["num_key_value_heads"], c["head_dim"], rand))
+    two = c["dflash_config"]
+    if "selector_top_k" in two:  # DFlash 2: two convolutions per layer, the selector (codebooks without .weight)
+        K, groups, r = two["conv_kernel_size"], H // two["conv_group_size"], two["selector_rank"]
+        for i in range(c["num_hidden_layers"]):
+            for conv in ("attention_conv", "mlp_conv"):
+                w[f"layers.{i}.{conv}.base_kernel"] = rand(2, K, H) * 4  # about a trained drafter's scale
+                w[f"layers.{i}.{conv}.kernel_projection.weight"] = rand(2 * K * groups, H)
+        V = c["vocab_size"]
+        w.update({"candidate_selector.predecessor_codebook": rand(V, r) * 10,
+                  "candidate_selector.successor_codebook": rand(V, r) * 10,
+                  "candidate_selector.hidden_projection.weight": rand(r, H)})
     return w
 
 

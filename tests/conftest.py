@@ -241,3 +241,25 @@ class WeightReads(torch.overrides.TorchFunctionMode):
         if func is torch.nn.functional.linear:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def float64_kept():
+    """While active, `.float()` and `.to(torch.float32)` leave float64 tensors float64 (see the module doc)."""
+    float_, to = torch.Tensor.float, torch.Tensor.to
+
+    def kept_float(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else float_(self, *args, **kwargs)
+
+    def kept_to(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.float, torch.Tensor.to = kept_float, kept_to
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to = float_, to

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import draft_tree
-from conftest import WeightReads, written_once
+from conftest import WeightReads, float64_kept, written_once
 from test_model import copy_checkpoint, raises, rewrite_config, rewrite_weights
 from gated_delta import Recurrent
 import model as model_mod
@@ -112,28 +112,6 @@ def ckpt(tmp_path_factory):
     """ckpt(name) -> (directory, transformers' model holding its weights); built once per module."""
     return written_once(tmp_path_factory.mktemp("hybrid_ckpts"),
                         lambda name, path: write_variant(name, path, seed=list(VARIANTS).index(name) + 1))
-
-
-@contextlib.contextmanager
-def float64_kept():
-    """While active, `.float()` and `.to(torch.float32)` leave float64 tensors float64 (see the module doc)."""
-    float_, to = torch.Tensor.float, torch.Tensor.to
-
-    def kept_float(self, *args, **kwargs):
-        return self if self.dtype == torch.float64 else float_(self, *args, **kwargs)
-
-    def kept_to(self, *args, **kwargs):
-        if self.dtype == torch.float64:
-            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-            if kwargs.get("dtype") is torch.float32:
-                kwargs["dtype"] = torch.float64
-        return to(self, *args, **kwargs)
-
-    torch.Tensor.float, torch.Tensor.to = kept_float, kept_to
-    try:
-        yield
-    finally:
-        torch.Tensor.float, torch.Tensor.to = float_, to
 
 
 class Reference:

@@ -177,7 +177,7 @@ def test_engine_decides_tree_builder_and_attention_once(models):
     cpu.start_cpu_isa_probe.cache_clear()
     for compile, builder, dense in ((False, build_tree_heap, True), (True, build_tree, False)):
         engine = Engine(target, drafters[5], "ddtree", Sampling(), Speculation(budget=4), 1024, compile)
-        masks = (engine.decode_mask, engine.draft_mask, engine.verify_mask)
+        masks = (engine.decode_mask, *engine.draft_masks.values(), engine.verify_mask)
         assert engine.build_tree is builder and all(m.dense == dense for m in masks)
         assert isinstance(engine.verify_mask.set(3), torch.Tensor) == dense
         assert engine.prefill_mask.dense and engine.prefill_step == engine._prefill_step
@@ -362,9 +362,11 @@ def test_guards_are_checked_at_each_runs_first_step(files, models, tmp_path, mon
 
 
 def test_sliding_window_drafter_layers_see_only_their_window(files, models, tmp_path):
-    """A z-lab config whose layer_types name sliding_attention layers (drafters of hybrid targets): those layers'
-    block rows see only the slots within sliding_window - 1 of their own, the others everything, as masks written
-    by hand give; the window changes the drafts once the context outgrows it; generation stays lossless."""
+    """A z-lab config whose layer_types name sliding_attention layers (drafters of hybrid targets), with
+    use_sliding_window: as z-lab's `dflash` package masks them, those layers' block rows see the slots within
+    sliding_window - 1 before their own and none after (causal, the default without is_causal), the others
+    everything, as masks written by hand give; the window changes the drafts once the context outgrows it;
+    generation stays lossless."""
     paths, tc = files
     target, _ = models
     window = 6
@@ -372,10 +374,10 @@ def test_sliding_window_drafter_layers_see_only_their_window(files, models, tmp_
     weights = random_dflash_weights(dc, seed=11, std=0.35)
     save_checkpoint(str(tmp_path / "plain"), dc, weights)
     save_checkpoint(str(tmp_path / "windowed"), {**dc, "layer_types": ["sliding_attention", "full_attention"],
-                                                 "sliding_window": window}, weights)
+                                                 "sliding_window": window, "use_sliding_window": True}, weights)
     plain, windowed = (DFlashDrafter.from_pretrained(str(tmp_path / name), device="cpu") for name in ("plain",
                                                                                                        "windowed"))
-    assert windowed.config.windows == (window, None) and plain.config.windows == ()
+    assert windowed.config.attention == ((window, True), (None, False)) and plain.config.attention == ()
     prompt = torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(4)).tolist()
     drafts = {}
     with torch.inference_mode():
@@ -389,9 +391,10 @@ def test_sliding_window_drafter_layers_see_only_their_window(files, models, tmp_
         bs = windowed.block_size
         slots, own = torch.arange(1024)[None, :], len(prompt) + torch.arange(bs)[:, None]
         full = (slots < len(prompt) + bs)[None, None]
-        near = full & ((slots - own).abs() < window)[None, None]
+        near = full & ((own - slots >= 0) & (own - slots < window))[None, None]
         tokens = torch.cat([bonus[:, None], torch.full((1, bs - 1), windowed.config.mask_token_id)], 1)
-        ref = windowed(tokens, own.T, own.T, full, rows=slice(1, None), window_mask=near)
+        ref = windowed.logits(windowed(tokens, own.T, own.T, {(window, True): near, (None, False): full},
+                                       rows=slice(1, None)))
     torch.testing.assert_close(drafts["windowed"], ref[:, :drafts["windowed"].shape[1]], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(drafts["windowed"], drafts["plain"], atol=1e-3)
     ar = ar_tokens(target, prompt)

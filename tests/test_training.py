@@ -179,11 +179,12 @@ def test_drafter_training_forward_equals_draft(pair):
             _, ctx = inference_forward(target, tokens[b, :a], feature_layers=ids)  # the inference path throughout
             with torch.no_grad():
                 drafter.append_context(ctx[None], torch.arange(a)[None], torch.arange(a)[None])  # a batch of one
-                ref = drafter.draft(tokens[b, a:a + 1], torch.tensor([a]), draft_mask.set(a))[0]
+                ref = drafter.draft(tokens[b, a:a + 1], torch.tensor([a]), {(None, False): draft_mask.set(a)})[0]
             assert (logits[b, j * bs + 1:(j + 1) * bs] - ref).abs().max() < TOL, (b, a)
             with torch.no_grad():  # the first `length` positions alone (a small budget's): the same logits
                 for length in range(1, bs - 1):
-                    first = drafter.draft(tokens[b, a:a + 1], torch.tensor([a]), draft_mask.set(a), length=length)
+                    first = drafter.draft(tokens[b, a:a + 1], torch.tensor([a]), {(None, False): draft_mask.set(a)},
+                                          length=length)
                     assert first.shape[1] == length and (first[0] - ref[:length]).abs().max() < TOL, (b, a, length)
 
 

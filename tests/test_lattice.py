@@ -1,0 +1,151 @@
+"""DDTree over DFlash 2's selector lattice (draft_tree.Lattice): the heap builds the best tree (checked by
+enumerating every prefix), the tensor builder equals the heap bit for bit, and the engine with a DFlash 2 drafter
+is lossless: greedy ddtree and dflash equal ar, sampled runs of a batch equal their lone runs, budget auto gives
+ar's tokens, a round traces whole."""
+
+import itertools
+import math
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import cpu
+import draft_tree as dt
+from conftest import random_prompts
+from ddtree import Engine, Speculation, generate, generate_batch
+from drafter import DFlashDrafter
+from model import Qwen3
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from checkpoints import DFLASH2, dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, \
+    save_checkpoint  # noqa: E402
+from sampler import Sampling  # noqa: E402
+from settings import grouped  # noqa: E402
+
+VOCAB = 16
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_lattice(gen, N, L, K, V=40, ties=False):
+    tokens = torch.stack([torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(L)]) for _ in range(N)])
+    scores = torch.randn(N, L, K, K, generator=gen) * 2
+    if ties:
+        scores = scores.round()
+    scores[:, 0] = scores[:, 0, :1]  # position 0 follows the anchor alone: its rows are equal
+    return tokens, torch.log_softmax(scores, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(1, 5), K=st.integers(1, 5), budget=st.integers(1, 40), ties=st.booleans(),
+       seed=st.integers(0, 10**6))
+def test_tensor_builder_equals_the_heap(L, K, budget, ties, seed):
+    tokens, logq = random_lattice(torch.Generator().manual_seed(seed), 3, L, K, ties=ties)
+    for a, b in zip(dt.build_lattice_tree_heap(tokens, logq, budget), dt.build_lattice_tree(tokens, logq, budget)):
+        assert torch.equal(a, b)
+
+
+def prefixes(tokens, logq):
+    """Every prefix of the lattice with its probability: {(candidate index per depth): p}."""
+    L, K = tokens.shape
+    out = {}
+    for depth in range(1, L + 1):
+        for path in itertools.product(range(K), repeat=depth):
+            states = (0,) + path
+            out[path] = math.exp(sum(float(logq[d, states[d], path[d]]) for d in range(depth)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_heap_tree_is_the_best_tree(seed):
+    """The tree's nodes are the `budget` most probable prefixes of the lattice (enumerated), each appearing once
+    with its own tokens, parents and depth: the tree of largest expected acceptance."""
+    gen = torch.Generator().manual_seed(seed)
+    L, K, budget = 3, 3, 11
+    tokens, logq = random_lattice(gen, 1, L, K)
+    tokens, logq = tokens[0], logq[0]
+    tree_tokens, parents, depths = dt.build_lattice_tree_heap(tokens, logq, budget)
+    all_p = prefixes(tokens, logq)
+    best = sorted(all_p.values(), reverse=True)[:budget]
+    # each node's token path from the root, matched back to the candidate indices it came from
+    paths = []
+    for i in range(budget):
+        path, row = [], i + 1
+        while row:
+            path.append(int(tree_tokens[row - 1]))
+            row = int(parents[row - 1])
+        paths.append(tuple(tokens[d].tolist().index(t) for d, t in enumerate(reversed(path))))
+    assert len(set(paths)) == budget and [len(p) for p in paths] == depths.tolist()
+    assert sorted((all_p[p] for p in paths), reverse=True) == pytest.approx(best, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash2")
+    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, eos=(1, 0))
+    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[1])
+    dc = dflash_config(tc, layers=2, block_size=6, target_layer_ids=[0, 2], dflash2=dict(DFLASH2, selector_top_k=4))
+    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=4, std=0.35))
+    target = Qwen3.from_pretrained(str(root / "target"), device="cpu")
+    return target, DFlashDrafter.from_pretrained(str(root / "draft"), device="cpu").bind(target)
+
+
+def greedy(target, drafter, prompt, **kw):
+    return generate(target, drafter, prompt, max_new_tokens=kw.pop("max_new_tokens", 30), stop_ids=[], **grouped(kw))
+
+
+def test_dflash2_greedy_is_lossless_and_trees_accept_more(models):
+    target, drafter = models
+    assert drafter.config.selector
+    taus = {}
+    for prompt in random_prompts(3, VOCAB, 20, seed=1):
+        ar = greedy(target, None, prompt, method="ar").tokens
+        for method, budget in (("dflash", None), ("ddtree", 4), ("ddtree", 32)):
+            res = greedy(target, drafter, prompt, method=method, budget=budget)
+            assert res.tokens == ar, (method, budget)
+            taus.setdefault((method, budget), []).append(res.stats["tau"])
+    mean = {k: sum(v) / len(v) for k, v in taus.items()}
+    assert mean[("ddtree", 32)] > mean[("dflash", None)] > 1, mean
+
+
+def test_dflash2_sampled_batch_equals_lone_runs(models):
+    """Sampled chains (q over the selector's candidates) and trees: request i of a batch is the lone run with its
+    seed, draw for draw."""
+    target, drafter = models
+    prompts = random_prompts(3, VOCAB, 20, seed=2)
+    for kw in (dict(method="dflash", draft_sampling=True), dict(method="ddtree", budget=16)):
+        batch = generate_batch(target, drafter, prompts, temperature=0.9, seeds=[5, 6, 7], max_new_tokens=20,
+                               stop_ids=[], **grouped(kw))
+        for prompt, seed, res in zip(prompts, (5, 6, 7), batch):
+            lone = generate(target, drafter, prompt, temperature=0.9, seed=seed, max_new_tokens=20, stop_ids=[],
+                            **grouped(kw))
+            assert res.tokens == lone.tokens, kw
+
+
+def test_dflash2_budget_auto_gives_ar_tokens(models):
+    target, drafter = models
+    prompt = random_prompts(1, VOCAB, 20, seed=3)[0]
+    ar = greedy(target, None, prompt, method="ar", max_new_tokens=40).tokens
+    assert greedy(target, drafter, prompt, budget="auto", max_new_tokens=40).tokens == ar
+
+
+def test_dflash2_round_traces_whole(models, monkeypatch):
+    """A sampled ddtree round with a DFlash 2 drafter (convolutions, selector, lattice tree) traces as one graph
+    with no host read (aot_eager: dynamo's and AOT's trace without inductor's minutes of C++ builds) and gives
+    eager's round."""
+    target, drafter = models
+    prompt = random_prompts(1, VOCAB, 20, seed=4)[0]
+    monkeypatch.setattr(cpu, "dense_masks", lambda device_type: False)  # BlockMasks, as a compiled engine's
+    engine = Engine(target, drafter, "ddtree", Sampling(temperature=0.8), Speculation(budget=16), 1024,
+                    compile=False)
+    engine.build_tree = dt.build_tree  # the tensor builders, as a compiled engine's
+    outs = []
+    for round_fn in (engine.round, torch.compile(engine.round, backend="aot_eager", fullgraph=True)):
+        with torch.inference_mode():
+            engine.start([prompt], [3])
+            outs.append(round_fn(engine.token, engine.position, *engine.randomness()))
+    for a, b in zip(outs[0][:4], outs[1][:4]):
+        assert torch.equal(a, b)
