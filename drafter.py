@@ -213,10 +213,10 @@ class DFlashDrafter(nn.Module):
             x = run_layer(layer, x, cos, sin, cache_pos, masks[layer.mask_kind])
         return self.norm(x[:, rows])
 
-    def logits(self, hidden):
-        """Logits of hidden states in float32 (float64 for a float64 model): the target's lm_head, times
-        output_multiplier, softcapped."""
-        logits = self.target_parts[1](hidden).to(compute_dtype(hidden.dtype))
+    def logits(self, hidden, lm_head=None):
+        """Logits of hidden states in float32 (float64 for a float64 model): the target's lm_head (or `lm_head`),
+        times output_multiplier, softcapped."""
+        logits = (lm_head or self.target_parts[1])(hidden).to(compute_dtype(hidden.dtype))
         c = self.config
         if c.output_multiplier != 1:
             logits = logits * c.output_multiplier

@@ -176,10 +176,13 @@ def dflash_config(target: dict, layers=1, block_size=8, mask_token_id=None, targ
         c["rope_theta"] = (target.get("rope_parameters") or {}).get("rope_theta", 1e6)
     if target_layer_ids is not None:
         c["dflash_config"]["target_layer_ids"] = list(target_layer_ids)
-    if dflash2:
-        c["architectures"] = ["DFlash2DraftModel"]
-        c["dflash_config"].update(dflash2)
-    return c
+    return as_dflash2(c, dflash2) if dflash2 else c
+
+
+def as_dflash2(config: dict, fields: dict) -> dict:
+    """A DFlash 1 drafter config made DFlash 2's: its architecture, and `fields` (conv_kernel_size,
+    conv_group_size, selector_rank, selector_top_k) in its dflash_config."""
+    return dict(config, architectures=["DFlash2DraftModel"], dflash_config={**config["dflash_config"], **fields})
 
 
 def random_dflash_weights(c: dict, seed: int = 1, std: float = 0.05) -> dict:

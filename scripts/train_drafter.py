@@ -46,8 +46,9 @@ for p in (HERE, ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from checkpoints import (add_training_options, load_train_state, save_checkpoint, save_train_state,  # noqa: E402
-                         stdlib_files, zlab_config, zlab_weights, atomic_write, write_json_file)
+from checkpoints import (add_training_options, as_dflash2, load_train_state, save_checkpoint,  # noqa: E402
+                         save_train_state, stdlib_files, zlab_config, zlab_weights, atomic_write, write_json_file)
+from draft_tree import walk_lattice  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from loading import check_pair  # noqa: E402
 from loading import read_json  # noqa: E402
@@ -109,6 +110,26 @@ def training_logits(drafter: DFlashDrafter, embed, lm_head, features, block_toke
     """Batched drafter forward with autograd. features [B, C, len(ids) * hidden] (the target's chosen-layer
     outputs at positions 0..C-1), block_tokens / block_positions [B, Q] (n blocks of block_size), mask from
     training_mask. Returns float32 logits [B, Q, vocab]; row k of a block predicts the token at anchor + k."""
+    return training_forward(drafter, embed, lm_head, features, block_tokens, block_positions, mask)[0]
+
+
+def per_block(conv, block_size: int):
+    """A DFlash 2 convolution's prepare / finish over each block's own rows of [B, n * block_size, H] (a block
+    never convolves its neighbour's rows, as at inference where it is alone)."""
+    def run(fn, x, *dynamic):
+        B, Q, H = x.shape
+        blocks = x.reshape(B * (Q // block_size), block_size, H)
+        dynamic = [d.reshape(B * (Q // block_size), block_size, *d.shape[2:]) for d in dynamic]
+        out = fn(blocks, *dynamic)
+        if isinstance(out, tuple):
+            return out[0].reshape(B, Q, H), out[1].reshape(B, Q, *out[1].shape[2:])
+        return out.reshape(B, Q, H)
+    return lambda h: run(conv.prepare, h), lambda out, dynamic: run(conv.finish, out, dynamic)
+
+
+def training_forward(drafter: DFlashDrafter, embed, lm_head, features, block_tokens, block_positions, mask):
+    """training_logits' forward, returning (float32 logits [B, Q, vocab], the final normed hidden states
+    [B, Q, H]); a DFlash 2 drafter's layers convolve each block around attention and MLP as DFlash2Block does."""
     B, C, _ = features.shape
     Q = block_tokens.shape[1]
     x = embed(block_tokens)
@@ -116,9 +137,14 @@ def training_logits(drafter: DFlashDrafter, embed, lm_head, features, block_toke
     ctx_cos, ctx_sin = rope_cos_sin(torch.arange(C, device=x.device), drafter.inv_freq, ctx.dtype)
     cos, sin = rope_cos_sin(block_positions.reshape(-1), drafter.inv_freq, x.dtype)
     cos, sin = cos.view(B, 1, Q, -1), sin.view(B, 1, Q, -1)
+    bs = drafter.block_size
     for layer in drafter.layers:
         a = layer.self_attn
         h = layer.input_layernorm(x)
+        convs = hasattr(layer, "attention_conv")
+        if convs:
+            prepare, finish = per_block(layer.attention_conv, bs)
+            h, dynamic = prepare(h)
         q, k_blk, v_blk = a.qkv_proj.split(a.qkv_proj(h))
         q = apply_rope(a.q_norm(q.reshape(B, Q, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
         k_blk = apply_rope(a.k_norm(k_blk.reshape(B, Q, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
@@ -133,9 +159,17 @@ def training_logits(drafter: DFlashDrafter, embed, lm_head, features, block_toke
             out = flex_attention(q, k, v, block_mask=mask, scale=a.head_dim ** -0.5, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.head_dim ** -0.5, enable_gqa=gqa)
-        x = x + a.o_proj(out.transpose(1, 2).reshape(B, Q, a.heads * a.head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return lm_head(drafter.norm(x)).float()
+        out = a.o_proj(out.transpose(1, 2).reshape(B, Q, a.heads * a.head_dim))
+        x = x + (finish(out, dynamic) if convs else out)
+        h = layer.post_attention_layernorm(x)
+        if convs:
+            prepare, finish = per_block(layer.mlp_conv, bs)
+            h, dynamic = prepare(h)
+            x = x + finish(layer.mlp(h), dynamic)
+        else:
+            x = x + layer.mlp(h)
+    hidden = drafter.norm(x)
+    return drafter.logits(hidden, lm_head).float(), hidden
 
 
 def sample_anchors(batch: int, n: int, low: int, high: int, generator=None, device=None) -> torch.Tensor:
@@ -203,6 +237,27 @@ def dflash_loss(logits, labels, valid, gamma: float, target_logits=None, kl_weig
     if kl_weight and target_logits is not None:
         loss = loss + kl_weight * (_kl(logq, target_logits) * w).sum() / total
     return loss
+
+
+def selector_loss(selector, hidden, logits, anchor_tokens, labels, valid, gamma: float):
+    """DFlash 2's candidate selector, taught by teacher forcing: at block position k, among the top-K tokens of the
+    drafter's logits, the cross-entropy of the label under the selector's scores after the true token before it
+    (the anchor's for k = 1, label k - 1 after), position k weighted exp(-(k - 1) / gamma) as dflash_loss, over
+    valid positions whose label is a candidate. hidden / logits [B, n * bs, ...]; anchor_tokens [B, n]; labels /
+    valid [B, n, bs - 1]."""
+    B, n, L = labels.shape
+    rows = lambda t: t.view(B, n, L + 1, -1)[:, :, 1:]  # row 0 (the anchor's) is no prediction
+    logits, hidden = rows(logits), rows(hidden)
+    before = torch.cat([anchor_tokens[..., None], labels[..., :-1]], dim=-1)  # [B, n, L]
+    unary, candidates = logits.topk(selector.top_k, dim=-1)
+    h = selector.hidden_projection(hidden).float()
+    pred = selector.predecessor_codebook[before].float() * h  # [B, n, L, r]
+    succ = selector.successor_codebook[candidates].float()  # [B, n, L, K, r]
+    scores = unary + (succ @ pred[..., None])[..., 0]
+    hit = candidates == labels[..., None]
+    w = torch.exp(-torch.arange(L, device=logits.device, dtype=torch.float32) / gamma) * (valid & hit.any(-1))
+    ce = torch.logsumexp(scores, -1) - (scores * hit).sum(-1)
+    return (ce * w).sum() / w.sum().clamp(min=1e-6)
 
 
 def diffusion_loss(logits, labels, valid, masked, t, target_logits=None, kl_weight: float = 0.0):
@@ -322,8 +377,12 @@ def batch_loss(a, drafter, target, tokens, generator, block_size, mask_id):
         tl = torch.gather(t_logits, 1, rows[..., None].expand(-1, -1, t_logits.shape[-1])).view(B, a.anchors, L, -1)
         if a.objective == "dflash":
             blocks, positions = block_inputs(tokens, anchors, block_size, mask_id)
-            logits = training_logits(drafter, embed, lm_head, features, blocks, positions, mask)
+            logits, hidden = training_forward(drafter, embed, lm_head, features, blocks, positions, mask)
             loss = dflash_loss(logits, labels, valid, a.gamma, tl, a.kl_weight)
+            if drafter.config.selector:
+                anchor_tokens = torch.gather(tokens, 1, anchors)
+                loss = loss + a.selector_weight * selector_loss(drafter.candidate_selector, hidden, logits,
+                                                                anchor_tokens, labels, valid, a.gamma)
         else:
             n = B * a.anchors  # stratified t in (0, 1]: one per block, spread evenly, shuffled
             t = ((torch.randperm(n, generator=generator) + 1 - torch.rand(n, generator=generator)) / n).view(B, -1)
@@ -336,6 +395,16 @@ def batch_loss(a, drafter, target, tokens, generator, block_size, mask_id):
     return loss, valid.float().mean().item()
 
 
+def chain_drafts(drafter, logits, hidden, anchor):
+    """The drafter's greedy chain [B, L] from block logits [B, L, V] (rows 1..): the argmax per position, or for
+    DFlash 2 the selector's walk from the anchor [B]."""
+    if not drafter.config.selector:
+        return logits.argmax(-1)
+    L = logits.shape[1]
+    lattice = drafter.candidate_selector.lattice(hidden.view(hidden.shape[0], L + 1, -1)[:, 1:], logits, anchor)
+    return walk_lattice(lattice, L, logits.shape[-1])[0]
+
+
 class Evaluator:
     """One-step acceptance from held-out real contexts, with the target's features computed once."""
 
@@ -343,7 +412,7 @@ class Evaluator:
         self.chunks = []
         for i in range(0, tokens.shape[0], batch):
             tk, an = tokens[i:i + batch], anchors[i:i + batch, None]
-            features, _, _ = target_pass(target, tk, drafter.config.target_layer_ids)
+            features, _, _ = target_pass(target, tk, drafter.config.target_layer_ids)  # (its rollout's labels)
             labels = torch.gather(tk, 1, an + torch.arange(1, block_size))[:, None]  # the rollout
             self.chunks.append((tk, an, features, labels))
         self.block_size, self.mask_id = block_size, mask_id
@@ -355,9 +424,9 @@ class Evaluator:
         for tk, an, features, labels in self.chunks:
             blocks, positions = block_inputs(tk, an, self.block_size, self.mask_id)
             mask = training_mask(an, tk.shape[1], self.block_size)
-            logits = training_logits(drafter, self.embed, self.lm_head, features, blocks, positions, mask)
+            logits, hidden = training_forward(drafter, self.embed, self.lm_head, features, blocks, positions, mask)
             lg = logits.view(tk.shape[0], 1, self.block_size, -1)[:, :, 1:]
-            correct.append((lg.argmax(-1) == labels)[:, 0])
+            correct.append((chain_drafts(drafter, lg[:, 0], hidden, tk.gather(1, an)[:, 0]) == labels[:, 0]))
             losses.append(torch.nn.functional.cross_entropy(lg.flatten(0, 2), labels.flatten()).item())
         c = torch.cat(correct).float()
         return dict(acc=[round(x, 3) for x in c.mean(0).tolist()],
@@ -395,8 +464,33 @@ def parse_args(argv=None):
     p.add_argument("--init", default="", help="start from this drafter's weights and shape (a z-lab-layout directory), "
                    "with a fresh optimizer and LR schedule; --layers, --inter, --block-size, --target-layers are "
                    "then the checkpoint's")
+    p.add_argument("--dflash2", action="store_true", help="a DFlash 2 drafter (convolutions and a candidate "
+                   "selector); with --init naming a DFlash 1 drafter, its layers start from that one's")
+    p.add_argument("--conv-kernel", type=int, default=3, help="DFlash 2: the convolutions' taps")
+    p.add_argument("--conv-group", type=int, default=16, help="DFlash 2: channels per dynamic-kernel group")
+    p.add_argument("--selector-rank", type=int, default=32, help="DFlash 2: the selector's codebook rank")
+    p.add_argument("--selector-top-k", type=int, default=8, help="DFlash 2: candidates per position")
+    p.add_argument("--selector-weight", type=float, default=1.0, help="DFlash 2: the selector loss's weight")
     add_training_options(p, lr=2e-3, weight_decay=0.01)
     return p.parse_args(argv)
+
+
+def upgraded_to_dflash2(a, config: dict, drafter: DFlashDrafter) -> tuple[dict, DFlashDrafter]:
+    """A DFlash 2 drafter whose layers, fc and norms are `drafter`'s, its convolutions the identity (base kernel 1
+    at the current row, 0 elsewhere; no dynamic part yet) and its selector small random (so it first ranks the
+    candidates by their logits): the training starts from the DFlash 1 drafter's drafts."""
+    config = as_dflash2(config, dict(conv_kernel_size=a.conv_kernel, conv_group_size=a.conv_group,
+                                     selector_rank=a.selector_rank, selector_top_k=a.selector_top_k))
+    two = DFlashDrafter(DFlashConfig.from_dict(config))
+    init_weights(two, a.seed)
+    missing, unexpected = two.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all("conv" in k or "candidate_selector" in k for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in two.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()[:, 0] = 1.0
+                conv.kernel_projection.weight.zero_()
+    return config, two
 
 
 def main(argv=None):
@@ -409,6 +503,8 @@ def main(argv=None):
     bs = a.block_size
     if a.kl_weight is None:
         a.kl_weight = 1.0 if a.objective == "diffusion" else 0.0
+    if a.dflash2 and a.objective != "dflash":
+        raise SystemExit("error: --dflash2 trains with --objective dflash (the selector learns the greedy labels)")
     target = Qwen3.from_pretrained(a.target, device="cpu", dtype=torch.float32)
     for p in target.parameters():
         p.requires_grad_(False)
@@ -431,6 +527,8 @@ def main(argv=None):
         config = zlab_config(target_cfg, a.layers, bs, mask_id, layer_ids, a.inter or None)
         drafter = DFlashDrafter(DFlashConfig.from_dict(config))
         init_weights(drafter, a.seed)
+    if a.dflash2 and not drafter.config.selector:
+        config, drafter = upgraded_to_dflash2(a, config, drafter)
     a.gamma = a.gamma or bs / 2
     drafter.inv_freq = drafter.inv_freq.to(torch.float32)
     drafter.bind(target)

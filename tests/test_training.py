@@ -288,6 +288,22 @@ def test_scripts_train_save_reload_decode_and_resume(tmp_path):
     tuned_config = json.load(open(os.path.join(tuned, "final", "config.json")))
     assert {k: v for k, v in tuned_config.items() if k != "torch_dtype"} == \
         {k: v for k, v in config.items() if k != "torch_dtype"}
+    # --dflash2 upgrades it to a DFlash 2 drafter: its layers copied, its convolutions the identity at first (the
+    # step-0 logits, so the held-out cross-entropy, are the source's), trained with the selector, lossless
+    two = str(tmp_path / "dflash2")
+    train_drafter.main(["--target", final_t, "--out", two, "--init", os.path.join(ddir, "final"), "--dflash2",
+                        "--conv-group", "16", "--selector-rank", "8", "--selector-top-k", "4", "--seq", "48",
+                        "--batch", "2", "--anchors", "4", "--greedy-seqs", "4", "--prompt-len", "16",
+                        "--eval-contexts", "4", "--eval-lengths", "16,24", "--eval-every", "2", "--save-every",
+                        "2", "--steps", "2"] + common)
+    log = json.load(open(os.path.join(two, "state.json")))["log"]
+    assert log[0]["eval_ce"] == pytest.approx(state["log"][-1]["eval_ce"], abs=1e-4) and len(log) == 2
+    drafter2 = DFlashDrafter.from_pretrained(os.path.join(two, "final"), device="cpu")
+    assert drafter2.config.selector and drafter2.config.selector_top_k == 4
+    for method in ("dflash", "ddtree"):
+        res = generate(target, drafter2, prompt, method=method, budget=8 if method == "ddtree" else None,
+                       max_new_tokens=12, stop_ids=[])
+        assert res.tokens == ar, method
 
 
 def train_target_token(path, token):
