@@ -267,8 +267,9 @@ def parse_dtype(dtype, device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype {dtype} is not a floating-point type; use float32, bfloat16 or float16")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"dtype {dtype} is not one the engine computes in; use float32, bfloat16, float16 or "
+                             f"float64")
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
