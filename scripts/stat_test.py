@@ -82,19 +82,21 @@ MAX_CELLS = 200_000
 
 def write_random_pair(out_dir: str, vocab: int, seed: int = 2, target_std: float = 0.4, draft_std: float = 0.4,
                       block_size: int = 3, hidden: int = 32, target_layers: int = 2, draft_layers: int = 1,
-                      moe: bool = False, hybrid: bool = False):
+                      moe: bool = False, hybrid: bool = False, dflash2: bool = False):
     """A tiny Qwen3 target and DFlash drafter. Weights of std 0.3-0.5 give a non-degenerate target (several tokens
     with real mass after warping; how peaked it is varies with the seed, and run_check warns when the law is
     nearly degenerate). The drafter shares the target's embedding and lm_head, so its drafts correlate with the
     target's choices: with seed 2 (vocab 4, block 3) 0.7-1.0 drafts are accepted per round. moe: a Qwen3-MoE
     target (4 experts, top 2, every layer sparse). hybrid: a Qwen3.5 target instead (write_random_hybrid_target),
-    the drafter reading all of its layers, Gated DeltaNet and gated attention alike."""
+    the drafter reading all of its layers, Gated DeltaNet and gated attention alike. dflash2: a DFlash 2 drafter
+    (RANDOM_DFLASH2: its selector keeps vocab - 1 candidates, so its laws are zero off them)."""
+    two = dict(RANDOM_DFLASH2, selector_top_k=max(1, vocab - 1)) if dflash2 else None
     if hybrid:
         if moe:
             raise ValueError("--hybrid and --moe cannot be combined (the random hybrid target is dense)")
         tc = write_random_hybrid_target(os.path.join(out_dir, "target"), vocab, seed, target_std, hidden)
         dc = dflash_config({**tc, "rope_theta": tc["rope_parameters"]["rope_theta"]}, layers=draft_layers,
-                           block_size=block_size, target_layer_ids=list(range(tc["num_hidden_layers"])))
+                           block_size=block_size, target_layer_ids=list(range(tc["num_hidden_layers"])), dflash2=two)
         save_checkpoint(os.path.join(out_dir, "draft"), dc, random_dflash_weights(dc, seed=seed + 1, std=draft_std))
         return os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
     tc = qwen3_config(vocab, hidden=hidden, inter=2 * hidden, layers=target_layers, heads=2, kv_heads=1,
@@ -102,9 +104,13 @@ def write_random_pair(out_dir: str, vocab: int, seed: int = 2, target_std: float
     if moe:
         tc = moe_config(tc, experts=4, top_k=2, inter=hidden)
     save_checkpoint(os.path.join(out_dir, "target"), tc, random_qwen3_weights(tc, seed=seed, std=target_std))
-    dc = dflash_config(tc, layers=draft_layers, block_size=block_size, target_layer_ids=list(range(target_layers)))
+    dc = dflash_config(tc, layers=draft_layers, block_size=block_size, target_layer_ids=list(range(target_layers)),
+                       dflash2=two)
     save_checkpoint(os.path.join(out_dir, "draft"), dc, random_dflash_weights(dc, seed=seed + 1, std=draft_std))
     return os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
+
+
+RANDOM_DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8)  # the random pair's (hidden 32)
 
 
 def write_random_hybrid_target(out_dir: str, vocab: int, seed: int = 2, std: float = 0.4, hidden: int = 32,
@@ -508,6 +514,8 @@ def parse_args(argv):
     p.add_argument("--prompt", default=None, help="comma-separated token ids (default: 1,2,3 mod vocab)")
     p.add_argument("--target", default=None, help="Qwen3 checkpoint dir (default: write a random pair)")
     p.add_argument("--moe", action="store_true", help="the random pair's target is a Qwen3-MoE")
+    p.add_argument("--dflash2", action="store_true", help="the random pair's drafter is a DFlash 2 (a selector "
+                   "over vocab - 1 candidates)")
     p.add_argument("--hybrid", action="store_true", help="the random pair's target is a Qwen3.5 hybrid (Gated "
                                                           "DeltaNet + gated attention layers)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the settings and results to FILE")
@@ -548,6 +556,9 @@ def check_args(a):
         raise ValueError("give both --target and --draft, or neither (a random pair)")
     if a.hybrid and (a.target is not None or a.moe):
         raise ValueError("--hybrid is for the random pair, without --target / --draft / --bundled / --moe")
+    if a.dflash2 and (a.target is not None or a.method == "ar"):
+        raise ValueError("--dflash2 is for the random pair's drafter, without --target / --draft / --bundled, "
+                         "and with a drafting method")
     if a.prompt is not None and a.text is not None:
         raise ValueError("give --prompt (token ids) or --text, not both")
     if a.json is not None:
@@ -606,7 +617,7 @@ def run(a) -> int:
         target_path, draft_path = a.target, a.draft
         if target_path is None:
             t, d = write_random_pair(tmp, a.vocab, a.pair_seed, a.target_std, a.draft_std, a.block_size,
-                                     moe=a.moe, hybrid=a.hybrid)
+                                     moe=a.moe, hybrid=a.hybrid, dflash2=a.dflash2)
             target_path, draft_path = target_path or t, draft_path or d
         target, drafter = load_pair(target_path, draft_path if a.method != "ar" else None, a.device)
         V = target.config.vocab_size

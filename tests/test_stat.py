@@ -246,3 +246,32 @@ def test_bad_arguments_are_one_error_line_before_the_run(args, message, capsys):
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1 and message in err, \
         (code, out, err)
+
+
+@pytest.fixture(scope="module")
+def dflash2_pair(tmp_path_factory):
+    """The pair's target with a DFlash 2 drafter: its selector keeps 3 of the 4 tokens, so its laws are zero off
+    its candidates."""
+    paths = st.write_random_pair(str(tmp_path_factory.mktemp("stat-dflash2")), VOCAB, seed=2, target_std=0.4,
+                                 draft_std=0.4, block_size=3, dflash2=True)
+    return st.load_pair(*paths)
+
+
+@pytest.mark.parametrize("kw, control", [(dict(method="dflash", draft_sampling=True), ("residual_p", 800)),
+                                         (dict(method="ddtree", budget=5), ("own_row", 300))],
+                         ids=["sampled-chain", "ddtree-budget5"])
+def test_dflash2_sampled_output_follows_the_target_law(pair, dflash2_pair, law, kw, control):
+    """A DFlash 2 drafter's sampled chain (q over the selector's candidates, min(1, p/q) with the residual) and its
+    lattice trees (the tree walk) give the target's law; the planted bug is rejected on the same seeds."""
+    target, drafter = dflash2_pair
+    assert drafter.config.selector
+    with st.attention("dense"):
+        drawn, stats = st.draw_samples(target, drafter, PROMPT, N_TOKENS, 1000, seed0=0, **kw, **WARP)
+        p, _, outside, tv = st.chi_square(law.counts(drawn), law.probs)
+        assert stats["drafts_per_round"] > MIN_DRAFTS_PER_ROUND, stats
+        assert outside == 0 and p >= ALPHA, f"{kw}: p = {p:.3e}, TV = {tv:.4f}, {outside} outside the support"
+        name, n = control
+        with st.planted(name, kw["method"], kw.get("draft_sampling", False)):
+            bad, _ = st.draw_samples(target, drafter, PROMPT, N_TOKENS, n, seed0=0, **kw, **WARP)
+        bp, _, _, btv = st.chi_square(law.counts(bad), law.probs)
+        assert bp < ALPHA, f"planted bug {name} not detected: p = {bp:.3e}, TV = {btv:.4f}"
