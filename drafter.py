@@ -28,7 +28,7 @@ from loading import (check_pair, dflash_config_fields, load_weights, parse_devic
 from draft_tree import Lattice
 from gated_delta import compute_dtype
 from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, rope_cos_sin,
-                   rope_inv_freq, run_layer)
+                   rope_frequencies, run_layer)
 
 
 @dataclass
@@ -163,7 +163,8 @@ class DFlashDrafter(nn.Module):
         self.fc = Linear(len(config.target_layer_ids) * c.hidden_size, c.hidden_size)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(c.head_dim, c.rope_theta, None), persistent=False)
+        inv_freq, self.rope_attention_factor = rope_frequencies(c)  # a Qwen3 config's RoPE, scaling included
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.target_parts = None  # (embed_tokens, lm_head) of the bound target: used, not owned (no state_dict)
         self.path: str | None = None
 
@@ -196,7 +197,7 @@ class DFlashDrafter(nn.Module):
         outputs), at RoPE positions and cache slots [N, W] (request n in cache row n). No attention: context rows
         are keys, never queries."""
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
-        cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, ctx.dtype))
+        cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor, ctx.dtype))
         for layer in self.layers:
             layer.self_attn.write_kv(ctx, cos, sin, cache_pos)
 
@@ -208,7 +209,7 @@ class DFlashDrafter(nn.Module):
         x = embed(block_tokens)
         if self.config.input_embedding_scale != 1:
             x = x * self.config.input_embedding_scale
-        cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, x.dtype))
+        cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor, x.dtype))
         for layer in self.layers:
             x = run_layer(layer, x, cos, sin, cache_pos, masks[layer.mask_kind])
         return self.norm(x[:, rows])
@@ -277,6 +278,6 @@ class DFlashDrafter(nn.Module):
         with torch.device("meta"):
             drafter = cls(config)
         load_weights(drafter, path, strip_prefix="", device=device, dtype=dtype)
-        drafter.inv_freq = rope_inv_freq(config.model.head_dim, config.model.rope_theta, device)
+        drafter.inv_freq = rope_frequencies(config.model, device)[0]
         drafter.path = path
         return drafter.eval()

@@ -29,14 +29,19 @@ def hybrid_kind(d: dict) -> str | None:
 
 def text_config(d: dict, where: str) -> tuple[dict, str]:
     """The text model's fields of a config: Qwen3_5ForConditionalGeneration files nest them in `text_config`
-    (the vision tower's in `vision_config`, unused). tie_word_embeddings of the outer config is the one
-    transformers ties by there, its default (false) included: an inner value alone does not tie; eos_token_id is
-    taken from the outer config too when the text part has none."""
+    (the vision tower's in `vision_config`, unused), RoPE included: a top-level RoPE key that says otherwise is
+    refused. tie_word_embeddings of the outer config is the one transformers ties by there, its default (false)
+    included: an inner value alone does not tie; eos_token_id is taken from the outer config too when the text part
+    has none."""
     inner = d.get("text_config")
     if inner is None:
         return d, where
     if not isinstance(inner, dict):
         raise ValueError(f"{where}: text_config must be a JSON object, got {type(inner).__name__}")
+    ignored = [k for k in ("rope_scaling", "rope_parameters", "rope_theta") if d.get(k) and d[k] != inner.get(k)]
+    if ignored:  # transformers builds the text model's RoPE from text_config alone
+        raise ValueError(f"{where}: {', '.join(ignored)} at the top level would be ignored (transformers reads the "
+                         f"text model's RoPE from text_config): move it into text_config")
     merged = dict(inner)
     merged["tie_word_embeddings"] = d.get("tie_word_embeddings", False)
     if merged.get("eos_token_id") is None and d.get("eos_token_id") is not None:
@@ -86,21 +91,10 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
     if heads % kv_heads:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
                          f"{note}")
-    rope = d.get("rope_parameters") or {}  # v5
-    scaling = d.get("rope_scaling") or {}  # v4
-    if not isinstance(rope, dict) or not isinstance(scaling, dict):
-        raise ValueError(f"{where}: rope_parameters and rope_scaling must be JSON objects")
-    for block, given in (("rope_parameters", rope), ("rope_scaling", scaling)):  # transformers reads both
-        rope_type = given.get("rope_type") or given.get("type") or "default"
-        if rope_type != "default":
-            raise ValueError(f"{where}: rope scaling type {rope_type!r} (in {block}) is not supported (only plain "
-                             f"RoPE)")
-    theta = rope.get("rope_theta", d.get("rope_theta"))
-    if theta is None:
-        raise ValueError(f"{where}: no rope_theta (neither rope_theta nor rope_parameters.rope_theta)")
-    theta = positive(where, {"rope_theta": theta}, "rope_theta", float)
     eps = positive(where, d, "rms_norm_eps", float, default=1e-6)
     max_positions = positive(where, d, "max_position_embeddings", default=32768)
+    rope, rope_source = rope_parameters(d, where, 0.25 if hybrid else None, max_positions)
+    theta = positive(where, rope, "rope_theta", float)
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window=true is not supported")
     if d.get("attention_bias"):
@@ -114,6 +108,7 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=sizes["intermediate_size"],
         num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, max_position_embeddings=max_positions,
+        rope_scaling=rope_scaling_fields(rope, rope_source, where),
         tie_word_embeddings=d.get("tie_word_embeddings", False), defaulted=defaulted)
     if hybrid:
         return dict(common, **hybrid_fields(d, where, rope, head_dim), **(qwen3_5_moe_fields(d, where)
@@ -122,11 +117,118 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
     if kinds is not None and (not isinstance(kinds, list) or set(kinds) - {"full_attention"}):
         raise ValueError(f"{where}: layer_types other than full_attention are not supported "
                          f"(got {sorted(set(map(str, kinds))) if isinstance(kinds, list) else kinds!r})")
-    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    partial = rope.get("partial_rotary_factor", 1.0)
     if partial != 1:
         raise ValueError(f"{where}: partial_rotary_factor={partial!r} is not supported (Qwen3 ropes every "
                          f"dimension)")
     return dict(common, **(moe_fields(d, where) if is_moe(d, moe) else {}))
+
+
+# What transformers 5.24 does with each RoPE type (modeling_rope_utils.ROPE_INIT_FUNCTIONS): the keys its function
+# reads besides rope_theta and partial_rotary_factor, those it cannot do without, or why the type is refused here.
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "proportional": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+}
+ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                 "yarn": ("factor",)}
+ROPE_REFUSED = {
+    "dynamic": "transformers recomputes its frequencies from the longest position a forward has seen so far (and "
+               "keeps them), so a key's rotation depends on how the calls were chunked: no fixed-shape engine "
+               "gives its logits past max_position_embeddings (below it, it is plain RoPE: drop the block)",
+    "longrope": "transformers switches all positions of a forward between short_factor and long_factor by that "
+                "forward's longest position, so a key's rotation depends on how the calls were chunked",
+}
+DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta: a file with no rope_theta
+# The rope types whose pretraining length transformers settles into the parameters (standardize_rope_params).
+ROPE_WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
+# Keys of a rope_parameters block that text positions never read (Qwen3.5's multimodal sections).
+ROPE_TEXT_IRRELEVANT = ("mrope_section", "mrope_interleaved")
+
+
+def rope_parameters(d: dict, where: str, partial_default: float | None, max_positions: int) -> tuple[dict, str]:
+    """The RoPE parameters as transformers 5.24 settles them (PreTrainedConfig.convert_rope_params_to_dict, then
+    standardize_rope_params): a non-empty rope_scaling (v4) replaces rope_parameters (v5) whole; the top-level
+    rope_theta (else transformers' default, 10000) and partial_rotary_factor (else the family's default,
+    `partial_default`) fill what the block lacks; rope_type wins over its old name, type; llama3 and yarn take a
+    top-level original_max_position_embeddings over the block's, else max_position_embeddings. Where the
+    replacement would drop a value rope_parameters states (its rope_theta, say), the file is refused rather than
+    run with transformers' silent substitute. Returns the parameters and the name of the block they came from."""
+    given, scaling = d.get("rope_parameters"), d.get("rope_scaling")
+    for name, block in (("rope_parameters", given), ("rope_scaling", scaling)):
+        if block is not None and not isinstance(block, dict):
+            raise ValueError(f"{where}: {name} must be a JSON object or null, got {block!r}")
+    source = "rope_scaling" if scaling else "rope_parameters"
+    params = dict(scaling or given or {})
+    params.setdefault("rope_theta", d.get("rope_theta", DEFAULT_ROPE_THETA))
+    partial = d.get("partial_rotary_factor", partial_default)
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    params.setdefault("rope_type", params.get("type", "default"))
+    if scaling and given:
+        check_nothing_dropped(given, params, where)
+    kind = params["rope_type"]
+    if not isinstance(kind, str):
+        raise ValueError(f"{where}: {source}.rope_type must be a string, got {kind!r}")
+    if kind in ROPE_REFUSED:
+        raise ValueError(f"{where}: rope scaling type {kind!r} (in {source}) is not supported: {ROPE_REFUSED[kind]}")
+    if kind not in ROPE_KEYS:
+        raise ValueError(f"{where}: rope scaling type {kind!r} (in {source}) is not one transformers 5.24 knows "
+                         f"(implemented here: {', '.join(ROPE_KEYS)})")
+    if kind in ROPE_WITH_ORIGINAL_LENGTH:
+        original = "original_max_position_embeddings"
+        params[original] = d[original] if original in d else params.get(original, max_positions)
+    return params, source
+
+
+def check_nothing_dropped(given: dict, params: dict, where: str):
+    """rope_scaling replaces rope_parameters in transformers: refuse a file whose rope_parameters says something
+    (other than plain RoPE, which the scaling block is there to change) that the settled parameters do not."""
+    given_type = given.get("rope_type", given.get("type", "default"))
+    lost = [k for k, v in given.items() if k not in ("rope_type", "type") + ROPE_TEXT_IRRELEVANT
+            and params.get(k) != v]
+    if given_type not in ("default", params["rope_type"]):
+        lost.insert(0, "rope_type")
+    if lost:
+        raise ValueError(f"{where}: rope_scaling replaces rope_parameters (as transformers 5.24 reads the file), "
+                         f"so rope_parameters' {', '.join(f'{k}={given.get(k, given_type)!r}' for k in lost)} would "
+                         f"be ignored; give {'it' if len(lost) == 1 else 'them'} in rope_scaling (or drop one block)")
+
+
+def rope_scaling_fields(params: dict, source: str, where: str) -> dict:
+    """Qwen3Config.rope_scaling: the rope type and the keys its transformers function reads, each checked (a
+    missing required key is transformers' KeyError; absent optional keys take its defaults in model.py)."""
+    kind, where = params["rope_type"], f"{where} ({source})"
+    missing = [k for k in ROPE_REQUIRED.get(kind, ()) if k not in params]
+    if missing:
+        raise ValueError(f"{where}: rope scaling type {kind!r} needs {', '.join(missing)}")
+    fields = {"rope_type": kind}
+    for key in (k for k in ROPE_KEYS[kind] if k in params):
+        value = fields[key] = params[key]
+        if value is None and kind == "yarn" and key != "original_max_position_embeddings":
+            continue  # yarn reads a null as absent (a null factor: max_position_embeddings / the original)
+        if key == "truncate":
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: truncate must be true or false, got {value!r}")
+        elif key == "original_max_position_embeddings":
+            positive(where, params, key)
+        elif key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            finite(where, params, key)
+        else:  # factor, attention_factor, low_freq_factor, high_freq_factor
+            positive(where, params, key, float)
+    return fields
+
+
+def finite(where: str, d: dict, key: str) -> float:
+    """d[key] checked to be a finite number."""
+    value = d[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{where}: {key} must be a finite number, got {value!r}")
+    return value
 
 
 def defaulted_note(defaulted: tuple, family: str = "") -> str:
@@ -168,7 +270,7 @@ def hybrid_fields(d: dict, where: str, rope: dict, head_dim: int) -> dict:
     if unknown:
         raise ValueError(f"{where}: unknown layer type(s) {unknown} in layer_types (supported: "
                          f"{', '.join(LAYER_TYPES)})")
-    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    partial = rope.get("partial_rotary_factor", 1.0)  # 0.25 when the file gives none: rope_parameters()
     if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
         raise ValueError(f"{where}: partial_rotary_factor must be a number in (0, 1], got {partial!r}")
     rotary = int(head_dim * partial)

@@ -28,7 +28,7 @@ from compiling import call_compiled  # noqa: E402
 from batch import run_requests  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from model import Qwen3, Qwen3Config, rope_inv_freq  # noqa: E402
+from model import Qwen3, Qwen3Config, rope_frequencies  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
 from train_target import HELD_OUT_EVERY, read  # noqa: E402
@@ -370,7 +370,7 @@ def build_target(shape: dict, device, dtype, seed: int = 0, std: float = 0.02) -
     if c.tie_word_embeddings:  # to_empty gives each module a tensor of its own
         target.lm_head.weight = target.embed_tokens.weight
     fill_random(target, seed, std, c.zero_centered_norm)
-    target.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, device)  # float32, as loading makes it
+    target.inv_freq = rope_frequencies(c, device)[0]  # float32, as loading makes it
     return target.eval()
 
 
@@ -386,7 +386,7 @@ def build_drafter(target: Qwen3, block: int, layers: int, seed: int = 1, std: fl
                       mask_token_id=t.vocab_size - 1)
     drafter = materialize(lambda: DFlashDrafter(dc), target.device, target.dtype)
     fill_random(drafter, seed, std, False)
-    drafter.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, target.device)
+    drafter.inv_freq = rope_frequencies(model, target.device)[0]
     return drafter.eval().bind(target)
 
 

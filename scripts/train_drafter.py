@@ -134,8 +134,9 @@ def training_forward(drafter: DFlashDrafter, embed, lm_head, features, block_tok
     Q = block_tokens.shape[1]
     x = embed(block_tokens)
     ctx = drafter.hidden_norm(drafter.fc(features.to(x.dtype)))
-    ctx_cos, ctx_sin = rope_cos_sin(torch.arange(C, device=x.device), drafter.inv_freq, ctx.dtype)
-    cos, sin = rope_cos_sin(block_positions.reshape(-1), drafter.inv_freq, x.dtype)
+    inv_freq, factor = drafter.inv_freq, drafter.rope_attention_factor
+    ctx_cos, ctx_sin = rope_cos_sin(torch.arange(C, device=x.device), inv_freq, factor, ctx.dtype)
+    cos, sin = rope_cos_sin(block_positions.reshape(-1), inv_freq, factor, x.dtype)
     cos, sin = cos.view(B, 1, Q, -1), sin.view(B, 1, Q, -1)
     bs = drafter.block_size
     for layer in drafter.layers:

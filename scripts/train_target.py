@@ -76,7 +76,7 @@ def forward_batch(model: Qwen3, tokens, feature_layers=(), caches=None, start: i
     causal mask, including the last-layer feature being taken after the final norm."""
     x = model.embed_tokens(tokens)
     pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-    cos, sin = rope_cos_sin(pos, model.inv_freq, x.dtype)
+    cos, sin = rope_cos_sin(pos, model.inv_freq, model.rope_attention_factor, x.dtype)
     features, last = [], len(model.layers) - 1
     for i, layer in enumerate(model.layers):
         cache = caches[i] if caches is not None else None

@@ -134,7 +134,7 @@ def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
     model.allocate_kv_caches([SimpleNamespace(self_attn=attn)], 256, dtype, "cpu")
     x = torch.randn(1, 5, 64, dtype=dtype)
     cos, sin = (t[:, None] for t in model.rope_cos_sin(torch.arange(40, 45)[None], model.rope_inv_freq(64, 1e6, None),
-                                                       dtype))
+                                                       1.0, dtype))
     mask = PrefixMask(5, 256, "cpu")
     block_mask = mask.set(40, torch.ones(5, 5, dtype=torch.bool).tril())
     attn.k_cache.normal_(), attn.v_cache.normal_()

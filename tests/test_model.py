@@ -453,17 +453,18 @@ def test_error_not_qwen3(broken):
 
 
 @pytest.mark.parametrize("style", ["v4_rope_type", "v4_type", "v5"])
-def test_error_yarn(broken, style):
+def test_error_dynamic_rope(broken, style):
+    """A refused rope type is found in either config shape (tests/test_rope_scaling.py: the types implemented)."""
     def edit(c):
         if style == "v5":
             to_v5(c)
-            c["rope_parameters"].update(rope_type="yarn", factor=4.0, original_max_position_embeddings=256)
+            c["rope_parameters"].update(rope_type="dynamic", factor=4.0)
         else:
             to_v4(c)
             key = "rope_type" if style == "v4_rope_type" else "type"
-            c["rope_scaling"] = {key: "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+            c["rope_scaling"] = {key: "dynamic", "factor": 4.0}
     rewrite_config(broken, edit)
-    raises(broken, "yarn")
+    raises(broken, "rope scaling type 'dynamic'")
 
 
 def test_tied_config_with_a_different_stored_head_uses_it_as_transformers(ckpt, tmp_path):
@@ -480,13 +481,6 @@ def test_tied_config_with_a_different_stored_head_uses_it_as_transformers(ckpt, 
     assert m.lm_head.weight is not m.embed_tokens.weight
     ids = token_ids(12, seed=3)
     assert max_diff(ours_causal(m, ids)[0], hf_logits(ref, ids).logits[0]) < TOL
-
-
-def test_error_rope_scaling_beside_rope_parameters(broken):
-    """A v5 file's plain rope_parameters with a rope_scaling block beside it (transformers applies the scaling):
-    refused, not run as plain RoPE."""
-    rewrite_config(broken, lambda c: (to_v5(c), c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0})))
-    raises(broken, "rope scaling type 'yarn'", "rope_scaling")
 
 
 def test_absent_num_key_value_heads_takes_transformers_default(broken):
