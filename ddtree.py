@@ -134,6 +134,22 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     return results
 
 
+def host_read(**parts) -> list[dict]:
+    """Per-request integer tensors ([N] or [N, k]; None is left out) read to the host in one transfer: per request,
+    a dict by name of an int ([N]) or a list ([N, k])."""
+    parts = {name: t for name, t in parts.items() if t is not None}
+    widths = {name: 1 if t.dim() == 1 else t.shape[1] for name, t in parts.items()}
+    rows = torch.cat([t.long().reshape(t.shape[0], -1) for t in parts.values()], dim=1).tolist()
+    out = []
+    for row in rows:
+        read, at = {}, 0
+        for name, t in parts.items():
+            read[name] = row[at] if t.dim() == 1 else row[at:at + widths[name]]
+            at += widths[name]
+        out.append(read)
+    return out
+
+
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
     """[N]: whether request n's part of x [N, ...] is all finite."""
     return torch.isfinite(x).flatten(1).all(1)
@@ -207,10 +223,10 @@ class Engine:
         prompts = list(prompts) + [[0]] * (self.batch - n)
         self.target.reset_recurrent()  # a recurrent layer's state starts empty (K/V need no reset: masks)
         token, ok = self.prefill(prompts)
-        out = torch.cat([token, ok.long()]).tolist()
+        read = host_read(token=token, sound=ok)[:n]
         self.token = token
         self.position = torch.tensor([len(p) for p in prompts], device=self.device)
-        return [t if sound else None for t, sound in zip(out[:n], out[self.batch:self.batch + n])]
+        return [r["token"] if r["sound"] else None for r in read]
 
     def finish(self, i: int):
         """Request i has ended: it stops advancing (its rows keep running in the batch, in scratch slots past its
@@ -225,18 +241,17 @@ class Engine:
         rows, length, token, ok, tree, tally = self.run_round(self.token, self.position, *self.randomness())
         # The one host read: per request, its committed rows, their count, the next token, whether its draws were
         # sound, and for budget auto the tally.
-        width = rows.shape[1]
-        parts = [rows, length[:, None], token[:, None], ok.long()[:, None]] + ([] if tally is None else [tally])
-        out = torch.cat(parts, dim=1).tolist()
-        self.last_lengths = [r[width] for r in out]
-        self.last_tally = None if tally is None else [r[width + 3:] for r in out]
+        read = host_read(rows=rows, length=length, token=token, sound=ok, tally=tally)
+        self.last_lengths = [r["length"] for r in read]
+        self.last_tally = None if tally is None else [r["tally"] for r in read]
         # Under CUDA graphs a call's outputs live in a memory pool that any later compiled call (this engine's or
         # another's: a catch-up, a switch of budget auto) may overwrite: what outlives the step is copied here, at
         # the store (tests/test_graph_pool.py emulates the pool on the CPU).
         self.token, self.position = token.clone(), self.position + length * self.live
         # rows[i, 0] is the previous token, emitted last step
-        return [(r[1:r[width]] + [r[width + 1]] if r[width + 2] else None,
-                 None if tree is None else tuple(t[i].clone() for t in tree) + (r[width],)) for i, r in enumerate(out)]
+        return [(r["rows"][1:r["length"]] + [r["token"]] if r["sound"] else None,
+                 None if tree is None else tuple(t[i].clone() for t in tree) + (r["length"],))
+                for i, r in enumerate(read)]
 
     def run_round(self, *args):
         """self.round(*args) with dynamo's guards (docs/compile.md, "Guards checked once per run"): all of them at
