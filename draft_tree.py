@@ -206,6 +206,9 @@ class Lattice:
     tokens: torch.Tensor
     scores: torch.Tensor
 
+    def clone(self) -> "Lattice":
+        return Lattice(self.tokens.clone(), self.scores.clone())
+
 
 def ranked_children(logq: torch.Tensor):
     """Each (position, predecessor)'s candidates in rank order (log-prob descending, candidate index ascending):
