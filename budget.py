@@ -37,6 +37,7 @@ from dataclasses import asdict, replace
 
 import torch
 
+from model import position_limit
 from settings import AUTO_BUDGETS, Speculation
 from tree_attn import round_up
 
@@ -196,7 +197,7 @@ def calibrate(engines: dict, block_size: int, prompt_len: int) -> dict:
 def auto_budgets(prompt_len: int, max_new_tokens: int, target) -> tuple:
     """The tree sizes whose verify fits the cache for these requests (settings.check_request made sure the smallest
     does)."""
-    room = round_up(target.config.max_position_embeddings) - prompt_len - max_new_tokens - 1
+    room = round_up(position_limit(target.config)[0]) - prompt_len - max_new_tokens - 1
     return tuple(b for b in AUTO_BUDGETS if b <= room)
 
 

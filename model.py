@@ -139,6 +139,29 @@ def rope_frequencies(config: Qwen3Config, device=None) -> tuple[torch.Tensor, fl
     return inv_freq, 1.0
 
 
+def position_limit(config: Qwen3Config) -> tuple[int, str]:
+    """The most positions (prompt + new tokens) a request may reach, and where that number comes from.
+    transformers never changes max_position_embeddings for RoPE scaling, and Qwen's long-context instructions add
+    a yarn block (factor 4, original 32768) beside max_position_embeddings 40960 without raising it; the scaled
+    window is what the scaling is for, so the limit is the larger of max_position_embeddings and factor times the
+    length the scaling stretches (as vLLM derives it): original_max_position_embeddings for yarn and llama3,
+    max_position_embeddings for linear (which divides every position by factor). proportional and plain RoPE
+    keep max_position_embeddings."""
+    r, stated = config.rope_scaling, config.max_position_embeddings
+    kind = r["rope_type"]
+    if kind in ("yarn", "llama3"):
+        factor = yarn_factor(r, stated) if kind == "yarn" else r["factor"]
+        scaled = int(factor * r["original_max_position_embeddings"])
+        where = f"{kind} factor {factor:g} x original_max_position_embeddings {r['original_max_position_embeddings']}"
+    elif kind == "linear":
+        scaled, where = int(r["factor"] * stated), f"linear factor {r['factor']:g} x max_position_embeddings {stated}"
+    else:
+        scaled = 0
+    if scaled > stated:
+        return scaled, f"the target's RoPE scaling: {where}"
+    return stated, "the target's max_position_embeddings"
+
+
 def yarn_factor(r: dict, max_positions: int) -> float:
     """YaRN's factor; a null one is the ratio of max_position_embeddings to the original length (DeepSeek-V3's)."""
     return r["factor"] if r["factor"] is not None else max_positions / r["original_max_position_embeddings"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from drafter import DFlashDrafter
-from model import Qwen3
+from model import Qwen3, position_limit
 from sampler import Sampling
 from tree_attn import round_up
 
@@ -156,17 +156,17 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
         raise TypeError(f"on_result must be a function of (request index, Result), got {on_result!r}")
     index = max(range(len(checked)), key=lambda i: len(checked[i]))
     longest, name = len(checked[index]), "" if single else f"prompt {index}: "  # the errors below name it
-    limit = target.config.max_position_embeddings
+    limit, source = position_limit(target.config)
     if longest + max_new_tokens > limit:
         raise ValueError(f"{name}prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"target's max_position_embeddings ({limit})")
+                         f"{limit} positions the target reaches ({source})")
     if method != "ar":
         drafter.bind(target)
         if spec.denoise_steps > drafter.block_size - 1:
             raise ValueError(f"denoise_steps {spec.denoise_steps} exceeds the drafter's {drafter.block_size - 1} "
                              f"draft positions (each pass decides at least one)")
-        # A round writes its verified rows after the committed tokens; the cache holds at most
-        # max_position_embeddings slots (rounded up to the attention block).
+        # A round writes its verified rows after the committed tokens; the cache holds at most the position
+        # limit's slots (rounded up to the attention block).
         rows = verify_rows(method, spec, drafter, AUTO_BUDGETS[:1])  # auto: its smallest tree must fit
         if longest + max_new_tokens + rows > round_up(limit):
             raise ValueError(f"{name}budget {spec.budget} is beyond what the cache can hold: prompt ({longest}) + "

@@ -192,8 +192,8 @@ def test_an_unwritable_cost_cache_keeps_the_calibration_and_generates(pair, monk
     (["--top-k", "4"], "--top-k does not apply to method 'ddtree' with greedy decoding"),
     (["--temperature", "-1"], "--temperature must be finite and >= 0"),
     (["--denoise-steps", "9"], "--denoise-steps 9 exceeds the drafter's 7 draft positions"),
-    (["--prompt-len", "100000"], "prompt (100000 tokens) + --max-new-tokens (256) exceeds the target's "
-                                 "max_position_embeddings (2048)"),
+    (["--prompt-len", "100000"], "prompt (100000 tokens) + --max-new-tokens (256) exceeds the 2048 positions "
+                                 "the target reaches (the target's max_position_embeddings)"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be in [1, "),
     (["--batch", "two"], "--batch"),
 ])

@@ -20,7 +20,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedd
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
 from conftest import float64_kept, written_once
-from ddtree import block_mask
+from ddtree import block_mask, generate
 from drafter import DFlashDrafter
 from model import Qwen3, Qwen3Config, rope_frequencies, rope_inv_freq
 from scripts.checkpoints import hybrid_text_config, random_hybrid_model, save_hybrid
@@ -312,3 +312,31 @@ def test_hybrid_rope_beside_text_config_is_refused(tmp_path):
     d = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
          "text_config": dict(HYBRID, model_type="qwen3_5_text"), "rope_scaling": YARN}
     refused(Qwen3.from_pretrained, write_config(tmp_path, d), "rope_scaling at the top level would be ignored")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. The positions a request may reach: the scaled window, refused past it with one line naming where it comes from
+
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=THETA, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("stated, rope, limit, source", [
+    (1280, {"rope_type": "default"}, 1280, "the target's max_position_embeddings"),
+    # Qwen's long-context edit: a yarn block beside an unchanged max_position_embeddings
+    (1280, dict(YARN, original_max_position_embeddings=1024), 4096,
+     "the target's RoPE scaling: yarn factor 4 x original_max_position_embeddings 1024"),
+    (1024, {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 256}, 1024,
+     "the target's max_position_embeddings"),  # a null factor is max_position_embeddings / the original
+    (1024, {"rope_type": "linear", "factor": 2.0}, 2048,
+     "the target's RoPE scaling: linear factor 2 x max_position_embeddings 1024"),
+    (8192, dict(LLAMA3), 8192, "the target's max_position_embeddings"),  # 8 x 1024 reaches no further
+])
+def test_a_request_past_the_scaled_window_is_refused_naming_it(stated, rope, limit, source):
+    target = Qwen3(Qwen3Config(**SMALL, max_position_embeddings=stated, rope_scaling=rope)).eval()
+    assert len(generate(target, None, [1] * (limit - 2), method="ar", max_new_tokens=2, stop_ids=[]).tokens) == 2
+    with pytest.raises(ValueError) as e:
+        generate(target, None, [1] * (limit - 2), method="ar", max_new_tokens=3)
+    assert str(e.value) == (f"prompt ({limit - 2} tokens) + max_new_tokens (3) exceeds the {limit} positions the "
+                            f"target reaches ({source})")
