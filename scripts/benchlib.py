@@ -1,16 +1,19 @@
-"""Helpers shared by the benchmark scripts (bench.py, bench_ar.py, bench_pair.py, gpu_check.py): timing
-(sync, timed, interleaved; on a device per call or pipelined, and the profiler's kernel table), JSON output, the
-random target (written as a checkpoint, or built in its dtype on a device: build_target, build_drafter), the
-per-stage round split and its table rows, tree construction alone, AR beside transformers' generate (compare,
-print_rows), and held-out prompts and greedy runs on a trained pair, side by side (held_out_code,
-interleaved_runs). A library, not a script: each benchmark keeps its own CLI.
+"""The library every measurement shares (scripts/bench.py's commands and scripts/gpu_check.py): timing (sync,
+timed, interleaved; on a device per call or pipelined, and the profiler's kernel table), JSON output, a command
+run in a fresh process (its peak memory its own), the random target (written as a checkpoint, or built in its
+dtype on a device: build_target, build_drafter), the per-stage round split and its table rows, a verify forward
+alone (verify_ms, tree_verify), tree construction alone, AR beside transformers' generate (compare, print_rows),
+and held-out prompts and greedy runs on a trained pair, side by side (held_out_code, interleaved_runs).
 """
 
 import itertools
+import json
 import math
 import os
+import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -28,6 +31,7 @@ from compiling import call_compiled  # noqa: E402
 from batch import run_requests  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
+from gated_delta import Recurrent  # noqa: E402
 from model import Qwen3, Qwen3Config, rope_frequencies  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
@@ -106,6 +110,38 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     engine = Engine(target, drafter, "ddtree", Sampling(), spec, cache_length(prompt_len, 64, "ddtree", spec, drafter),
                     compile=compile)  # its masks and tree builder are those of an engine run this way
     engine.prefill_step = engine._prefill_step  # the prefill only sets up the caches here: eager
+    draft, context, verify = split_forwards(engine, compile)
+    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,)).tolist()
+    bonus, _ = engine.prefill([prompt])  # a batch of one request: every tensor below has a leading 1
+    start = torch.tensor([prompt_len], device=dev)
+    ms = {}
+    ms["draft"], logits_q = timed(lambda: draft(bonus, start), dev, repeats)
+    logits_q = logits_q.clone()  # a CUDA graph's next replay overwrites its outputs: what is used later is cloned
+    ms["tree"], (tokens, parents, depths, q) = timed(lambda: engine.propose(logits_q, None), dev, repeats)
+    ms["mask"], mask = timed(lambda: engine.tree_mask(start, parents), dev, repeats)
+    ms["verify"], out = timed(lambda: verify(bonus, tokens, depths, start, parents, mask), dev, repeats)
+    rows, pos, logits, features = keep(out)
+    ms["walk"], (path, length, nxt, _) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
+                                            repeats)
+    feats = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+    positions = pos.gather(1, path)
+    ms["compact"], _ = timed(lambda: compact_kv(target.kv_caches(), start, path), dev, repeats)
+    ms["context"], _ = timed(lambda: context(start, feats, positions), dev, repeats)
+    frozen = compile == "max-autotune" and dev.type == "cpu"
+    ms["sum"] = sum(ms.values()) - (ms["mask"] if frozen else 0)  # the frozen verify's time holds the mask's
+    ms["overhead_pct"] = 100 * (ms["tree"] + ms["mask"] + ms["walk"] + ms["compact"]) / ms["sum"]
+    if compile:
+        forwards = [lambda: draft(bonus, start), lambda: context(start, feats, positions),
+                    lambda: verify(bonus, tokens, depths, start, parents, mask)]
+        ms.update(compiled_round_ms(engine, bonus, start, forwards, repeats))
+        ms.update(tree_work_ms(engine, start, logits_q, logits, repeats))
+    return ms
+
+
+def split_forwards(engine, compile):
+    """(draft, context, verify) as round_split times them: compiled as the engine compiles them when `compile` is
+    set (CUDA graphs on a GPU, frozen graphs under max-autotune on the CPU)."""
+    dev = engine.device
     # The drafter's forward comes in two parts in our round: the block pass (draft) and, at commit, the context
     # K/V of the committed tokens (Engine.commit's append_context). Both count as the drafter's forward, not as
     # tree overhead.
@@ -122,67 +158,49 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     # from the parents inside, as the round does, so its time includes the mask's.
     if frozen:
         masked = frozen_stage(lambda b, t, d, s, p: engine.verify(b, t, d, s, *engine.tree_mask(s, p)))
-        verify = lambda b, t, d, s, p, mask: masked(b, t, d, s, p)  # noqa: E731
-    else:
-        forward = torch.compile(engine.verify, dynamic=False, fullgraph=True, mode=mode) if compile else engine.verify
-        verify = lambda b, t, d, s, p, mask: forward(b, t, d, s, *mask)  # noqa: E731
-    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,)).tolist()
-    bonus, _ = engine.prefill([prompt])  # a batch of one request: every tensor below has a leading 1
-    start = torch.tensor([prompt_len], device=dev)
-    # Outputs of a CUDA graph are overwritten by its next replay: every output used later is cloned.
-    keep = lambda out: tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
-    ms = {}
-    ms["draft"], logits_q = timed(lambda: draft(bonus, start), dev, repeats)
-    logits_q = logits_q.clone()
-    ms["tree"], (tokens, parents, depths, q) = timed(lambda: engine.propose(logits_q, None), dev, repeats)
-    ms["mask"], mask = timed(lambda: engine.tree_mask(start, parents), dev, repeats)
-    ms["verify"], out = timed(lambda: verify(bonus, tokens, depths, start, parents, mask), dev, repeats)
-    rows, pos, logits, features = keep(out)
-    ms["walk"], (path, length, nxt, _) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
-                                            repeats)
-    feats = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-    positions = pos.gather(1, path)
-    ms["compact"], _ = timed(lambda: compact_kv(target.kv_caches(), start, path), dev, repeats)
-    ms["context"], _ = timed(lambda: context(start, feats, positions), dev, repeats)
-    ms["sum"] = sum(ms.values()) - (ms["mask"] if frozen else 0)  # the frozen verify's time holds the mask's
-    ms["overhead_pct"] = 100 * (ms["tree"] + ms["mask"] + ms["walk"] + ms["compact"]) / ms["sum"]
-    if compile:
-        # The whole round compiled: what it costs beyond the forwards is the real tree overhead. They are timed
-        # interleaved (round, draft, context, verify, round, ...) so a noisy machine shifts all of them alike.
-        # (the round as Engine.step runs it: every guard at its first call, then only those that tell graphs apart)
-        stages = [lambda: engine.run_round(bonus, start, None, None, None), lambda: draft(bonus, start),
-                  lambda: context(start, feats, positions), lambda: verify(bonus, tokens, depths, start, parents, mask)]
-        whole, fwd_d, fwd_c, fwd_v = interleaved(stages, dev, 3 * repeats)
-        ms["round"] = whole
-        ms["round_overhead_pct"] = 100 * (whole - fwd_d - fwd_c - fwd_v) / whole
+        return draft, context, lambda b, t, d, s, p, mask: masked(b, t, d, s, p)
+    forward = torch.compile(engine.verify, dynamic=False, fullgraph=True, mode=mode) if compile else engine.verify
+    return draft, context, lambda b, t, d, s, p, mask: forward(b, t, d, s, *mask)
 
-        def tree_work(logits_q, logits):
-            tokens, parents, depths, q = engine.propose(logits_q, None)
-            engine.tree_mask(start, parents)
-            return engine.accept(logits, tokens, parents, q, None, None)
 
-        modes = {"tree_work": mode} | ({"tree_work_nograph": None} if mode else {})
-        for name, m in modes.items():
-            fn = torch.compile(tree_work, dynamic=False, fullgraph=True, mode=m)
-            ms[name], _ = timed(lambda: fn(logits_q, logits), dev, repeats)
-    return ms
+def compiled_round_ms(engine, bonus, start, forwards, repeats) -> dict:
+    """The whole compiled round beside its forwards (draft, context, verify): what it costs beyond them is the
+    real tree overhead. They are timed interleaved (round, draft, context, verify, round, ...) so that a noisy
+    machine shifts all of them alike; the round runs as Engine.step runs it (every guard at its first call, then
+    only those that tell graphs apart)."""
+    whole, *fwd = interleaved([lambda: engine.run_round(bonus, start, None, None, None)] + forwards, engine.device,
+                              3 * repeats)
+    return {"round": whole, "round_overhead_pct": 100 * (whole - sum(fwd)) / whole}
+
+
+def tree_work_ms(engine, start, logits_q, logits, repeats) -> dict:
+    """The tree work alone (propose + tree_mask + accept, given the forwards' logits), compiled: `tree_work`, and
+    on a GPU also without CUDA graphs, `tree_work_nograph`."""
+    def tree_work(logits_q, logits):
+        tokens, parents, depths, q = engine.propose(logits_q, None)
+        engine.tree_mask(start, parents)
+        return engine.accept(logits, tokens, parents, q, None, None)
+
+    mode = "reduce-overhead" if engine.device.type == "cuda" else None
+    out = {}
+    for name, m in ({"tree_work": mode} | ({"tree_work_nograph": None} if mode else {})).items():
+        fn = torch.compile(tree_work, dynamic=False, fullgraph=True, mode=m)
+        out[name], _ = timed(lambda: fn(logits_q, logits), engine.device, repeats)
+    return out
 
 
 def verify_ms(target, budget: int, compile: bool, repeats: int, prompt_len: int = 256, seed: int = 0) -> float:
-    """Milliseconds of one verify forward of budget + 1 rows (a random tree: node i hangs under a random earlier
-    row) after a prompt_len prefix, compiled as the engine compiles it (CUDA graphs on the GPU). Budget 0 is a
-    decode step. On a MoE target the rows route to their own experts, so the cost follows how many are touched."""
+    """Milliseconds of one verify forward of budget + 1 rows (a random tree: random_tree) after a prompt_len
+    prefix, compiled as the engine compiles it (CUDA graphs on the GPU). Budget 0 is a decode step. On a MoE
+    target the rows route to their own experts, so the cost follows how many are touched."""
     dev, n = target.device, budget + 1
     g = torch.Generator().manual_seed(seed)
     kv = -(-(prompt_len + n) // 1024) * 1024
     target.setup_cache(kv)
-    parents = torch.tensor([int(torch.randint(0, i + 1, (1,), generator=g)) for i in range(budget)], device=dev)
-    depths = torch.zeros(n, dtype=torch.long)
-    for i in range(budget):
-        depths[i + 1] = depths[int(parents[i])] + 1
+    parents, depths = random_tree(budget, g)
     mask = PrefixMask(n, kv, dev, dense=not compile and dev.type == "cpu")
-    block_mask = mask.set(prompt_len, ancestor_matrix(parents, int(depths.max()), dtype=torch.uint8))
-    tokens = torch.randint(0, target.config.vocab_size, (n,), generator=g).to(dev)
+    block_mask = mask.set(prompt_len, ancestor_matrix(parents.to(dev), int(depths.max()), dtype=torch.uint8))
+    tokens = torch.randint(0, target.config.vocab_size, (n,), generator=g).to(dev)  # g goes on from the tree's draws
     positions, slots = prompt_len + depths.to(dev), prompt_len + torch.arange(n, device=dev)
     forward = target
     if compile:
@@ -190,6 +208,50 @@ def verify_ms(target, budget: int, compile: bool, repeats: int, prompt_len: int 
                                 mode="reduce-overhead" if dev.type == "cuda" else None)
     ms, _ = timed(lambda: forward(tokens, positions, slots, block_mask)[0], dev, repeats)
     return ms
+
+
+def random_tree(budget: int, g: torch.Generator):
+    """(parents [B], depths [B + 1]) on the CPU, drawn from g: node i hangs under a random earlier row."""
+    parents = torch.tensor([int(torch.randint(0, i + 1, (1,), generator=g)) for i in range(budget)],
+                           dtype=torch.long)
+    depths = torch.zeros(budget + 1, dtype=torch.long)
+    for i in range(budget):
+        depths[i + 1] = depths[int(parents[i])] + 1
+    return parents, depths
+
+
+def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 256, seed: int = 0,
+                feature_layers=()):
+    """A zero-argument callable running one verify forward of budget + 1 rows (a batch of one request) as
+    Engine.verify runs it: a random tree after `prompt_len` committed slots, RoPE positions prompt_len + depth,
+    cache slots prompt_len + row, the ancestor mask (built here, once), the outputs of `feature_layers` (a
+    drafter's context features, as the round asks for them), and the recurrent layers in tree mode (their pending
+    k, u and G, which the commit reads, are returned with the logits, so nothing is left out).
+    The caches hold zeros (the values do not change the work). compile: torch.compile fullgraph (CUDA graphs on a
+    GPU, as the engine compiles its round)."""
+    dev, n = target.device, budget + 1
+    kv = -(-(prompt_len + n) // 1024) * 1024
+    target.setup_cache(kv)
+    parents, depths = random_tree(budget, torch.Generator().manual_seed(seed))
+    anc = ancestor_matrix(parents[None].to(dev), int(depths.max()), dtype=torch.uint8)  # [1, R, R]
+    mask = PrefixMask(n, kv, dev, dense=not compile and dev.type == "cpu")
+    block_mask = mask.set(torch.tensor([prompt_len], device=dev), anc)
+    tokens = torch.randint(0, target.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed)).to(dev)
+    positions = (prompt_len + depths)[None].to(dev)
+    slots = (prompt_len + torch.arange(n))[None].to(dev)
+    parents = parents[None].to(dev)
+    depth = int(depths.max())  # the bound the engine would pass (its draft positions), here the tree's own
+
+    def forward(tokens, positions, slots, block_mask, parents, anc):
+        tree = Recurrent.tree(parents, anc, depth)
+        logits, features = target(tokens, positions, slots, block_mask, feature_layers=feature_layers,
+                                  recurrent=tree)
+        return (logits, features, *(t for i in sorted(tree.pending) for t in tree.pending[i][1:]))
+
+    if compile:
+        forward = torch.compile(forward, dynamic=False, fullgraph=True,
+                                mode="reduce-overhead" if dev.type == "cuda" else None)
+    return lambda: forward(tokens, positions, slots, block_mask, parents, anc)
 
 
 def round_header(cols, compiled: bool, width: int = 8) -> str:
@@ -462,3 +524,42 @@ def kernel_table(fn, device, steps: int, top: int = 12) -> dict:
                 graph_launches_per_step=sum(e.count for e in events if e.key == "cudaGraphLaunch") / steps,
                 top=[dict(name=k[:120], per_step=c / steps, us_per_step=us / steps, share=us / max(total, 1e-9))
                      for k, c, us in rows[:top]])
+
+
+# ---------------------------------------------------------------------- a command in a fresh process, the machine
+
+
+def in_fresh_process(*args, env=None, input=None, cwd=None) -> dict:
+    """`python scripts/bench.py ARGS` in a process of its own (so that its peak memory, or the modules it imports,
+    are its own), `input` on its stdin; returns the JSON object its last line prints."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), *args], capture_output=True,
+                          text=True, env=env, input=input, cwd=cwd)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def status_mb(key: str) -> float:
+    """A field of /proc/self/status (VmRSS, VmHWM) in MB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+
+
+def reset_peak() -> float:
+    """Freed heap pages back to the system (malloc_trim), then the process's peak resident set (VmHWM) reset to
+    what it holds now (Linux: /proc/self/clear_refs, 5); returns the resident set it starts from, in MB."""
+    import ctypes
+    import gc
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_mb("VmRSS")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"

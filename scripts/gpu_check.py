@@ -52,9 +52,8 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from bench_hybrid import cpu_name, tree_verify  # noqa: E402
-from benchlib import (build_drafter, build_target, copy_bandwidth, keep, kernel_table, per_call_ms,  # noqa: E402
-                      pipelined_ms, random_tokens, sync, write_json)
+from benchlib import (build_drafter, build_target, copy_bandwidth, cpu_name, keep, kernel_table,  # noqa: E402
+                      per_call_ms, pipelined_ms, random_tokens, sync, tree_verify, write_json)
 import compiling  # noqa: E402
 import ddtree  # noqa: E402
 import gated_delta  # noqa: E402
@@ -442,7 +441,7 @@ def round_profile(run, out):
 
 def verify_time(run, target, budget: int, feature_layers=()) -> dict:
     """The target's verify forward of budget + 1 rows (a random tree after CONTEXT slots, compiled as the engine
-    compiles it: bench_hybrid.tree_verify), pipelined and per call."""
+    compiles it: benchlib.tree_verify), pipelined and per call."""
     fn = tree_verify(target, budget, run.compile, prompt_len=CONTEXT, feature_layers=feature_layers)
     run.first_calls("ar", fn)
     return dict(ms=pipelined_ms(fn, run.device, run.back_to_back),
