@@ -1,0 +1,37 @@
+"""scripts/bench.py, the one entry point of the measurements: every command parses its --help (so a command whose
+code no longer imports, or whose options clash, fails here, not on the machine it was meant for), and bad options
+are one `error:` line, exit status 2, as on the command line."""
+
+import os
+import sys
+
+import pytest
+
+from conftest import assert_one_error_line
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import bench  # noqa: E402
+
+
+@pytest.mark.parametrize("command", list(bench.COMMANDS))
+def test_every_command_parses_its_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: ") and f" {command} " in out.splitlines()[0]
+    assert f"python scripts/bench.py {command}" in out  # its docstring, with how to run it
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "the following arguments are required: COMMAND"),
+    (["bench_pair"], "invalid choice: 'bench_pair'"),
+    (["round", "--budgets", "x"], "argument --budgets: invalid int value: 'x'"),
+    (["pair", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["roofline", "--size", "1024"], "--size takes HxL, such as 1024x8, not '1024'"),
+    (["crossover", "--sizes", "bundled", "big"], "--sizes takes HxL, such as 1024x8, not 'big'"),
+    (["kernels", "--layers", "3"], "--layers must be at least 4"),
+    (["official"], "the following arguments are required: --official"),
+    (["official", "--official", "/nonexistent"], "--official /nonexistent is not a checkout"),
+])
+def test_bad_options_are_one_error_line(args, message, capsys):
+    assert_one_error_line(bench.main(args), capsys.readouterr().err, message)
