@@ -197,7 +197,7 @@ def test_an_unwritable_cost_cache_keeps_the_calibration_and_generates(pair, monk
     (["--max-new-tokens", "0"], "--max-new-tokens must be in [1, "),
     (["--batch", "two"], "--batch"),
 ])
-def test_calibrate_script_refuses_bad_settings_and_stores_nothing(args, message, capsys, monkeypatch, tmp_path):
+def test_calibrate_command_refuses_bad_settings_and_stores_nothing(args, message, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
     code = bench.main(["calibrate", *args])
     out, err = capsys.readouterr()
