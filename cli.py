@@ -18,6 +18,7 @@ from batch import RequestsFailed
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate, generate_batch
 from draft_tree import format_tree
 from drafter import DFlashDrafter
+from memory import memory_line, memory_per_token
 from model import Qwen3
 from sampler import Sampling
 from settings import AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, check_applies, check_int, check_sampling, grouped
@@ -65,6 +66,9 @@ def parse_args(argv):
     p.add_argument("--denoise-steps", default=None, help="dflash, ddtree: drafter passes per round (default 1)")
     p.add_argument("--show-tree", action="store_true", default=None,
                    help="dflash, ddtree: print the first round's tree with accepted marks")
+    p.add_argument("--memory", action="store_true",
+                   help="print on stderr, before generating, the caches' bytes per token of context (target K/V, "
+                        "drafter K/V), the recurrent states' bytes per request, and the longest request's total")
     return p.parse_args(argv)
 
 
@@ -147,6 +151,8 @@ def run_cli(args) -> int:
     if args.method != "ar":
         drafter = DFlashDrafter.from_pretrained(args.draft or DEFAULT_DRAFT, device=target.device,
                                                 dtype=target.dtype)
+    if args.memory:  # before generating: what a long prompt will cost is the question it answers
+        say(memory_line(memory_per_token(target, drafter), max(map(len, prompts)) + settings["max_new_tokens"]))
     if args.prompts_file:
         return run_batch(args, target, drafter, text, prompts, requests, settings)
     streamer = Streamer(text, None if args.json else sys.stdout)
