@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import pair_config, write_drafter, write_target
 from ddtree import generate
 from drafter import DFlashDrafter
 from model import Qwen3
@@ -18,7 +19,7 @@ from tree_attn import PrefixMask, causal
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import train_drafter  # noqa: E402
 import train_target  # noqa: E402
-from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa: E402,E501
+from checkpoints import qwen3_config, save_checkpoint  # noqa: E402
 from train_drafter import (block_inputs, block_labels, dense_block_mask, dflash_loss, diffusion_loss,  # noqa: E402
                            flex_block_mask, training_logits, training_mask)
 
@@ -34,11 +35,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def pair(tmp_path_factory):
     """A random 3-layer target and a random 2-layer drafter (block 4) reading layers 0 and 2 (2 is the last
     layer: its feature is taken after the final norm, as in Hugging Face, so both forwards must agree on that)."""
-    root = tmp_path_factory.mktemp("train-pair")
-    tc = qwen3_config(VOCAB, hidden=64, inter=96, layers=3, heads=4, kv_heads=2, head_dim=16, eos=(1, 0))
-    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.3), eos_ids=[1])
-    dc = dflash_config(tc, layers=2, block_size=4, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2])
-    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, std=0.3))
+    root, tc = tmp_path_factory.mktemp("train-pair"), pair_config(vocab=VOCAB, inter=96)
+    write_target(str(root / "target"), tc, std=0.3)
+    write_drafter(str(root / "draft"), tc, block_size=4, seed=1, std=0.3, mask_token_id=VOCAB - 1)
     target = Qwen3.from_pretrained(str(root / "target"), device="cpu")
     drafter = DFlashDrafter.from_pretrained(str(root / "draft"), device="cpu").bind(target)
     return target, drafter
@@ -330,6 +329,20 @@ def test_bundled_pair_greedy_methods_agree_and_speculate():
         tree = generate(target, drafter, prompt, method="ddtree", budget=64, max_new_tokens=48, stop_ids=[])
         assert chain.tokens == ar and tree.tokens == ar
         assert tree.stats["tau"] > chain.stats["tau"] > 1.2  # real speculation, and the tree adds to it
+
+
+def test_bundled_dflash2_drafter_is_lossless_and_speculates():
+    """assets/tiny-draft2: tiny-draft upgraded to DFlash 2 and trained on (docs/benchmarks.md): its chain (the
+    selector's walk) and its lattice trees give plain decoding's tokens and accept drafts."""
+    target = Qwen3.from_pretrained(os.path.join(ASSETS, "tiny-target"), device="cpu")
+    drafter = DFlashDrafter.from_pretrained(os.path.join(ASSETS, "tiny-draft2"), device="cpu")
+    assert drafter.config.selector
+    prompt = list(range(100, 140))
+    ar = generate(target, None, prompt, method="ar", max_new_tokens=48, stop_ids=[]).tokens
+    chain = generate(target, drafter, prompt, method="dflash", max_new_tokens=48, stop_ids=[])
+    tree = generate(target, drafter, prompt, method="ddtree", budget=64, max_new_tokens=48, stop_ids=[])
+    assert chain.tokens == ar and tree.tokens == ar
+    assert tree.stats["tau"] > chain.stats["tau"] > 1.2
 
 
 def test_checkpoints_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
