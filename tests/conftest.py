@@ -178,21 +178,42 @@ def tensors_in(obj):
 # ----------------------------------------------------------------------------------------------------------------
 # The shared random pair: a tiny Qwen3 target (vocabulary 16, 3 layers) and a DFlash drafter (2 layers, block 5),
 # random weights large enough (std 0.35) that random drafts are often accepted. Written once per session; each
-# test module loads its own models from it (engines and compiled graphs stay per module).
+# test module loads its own models from it (engines and compiled graphs stay per module). A module that needs
+# other drafters for its target, or a pair of another shape, writes them with the same three functions.
 
 PAIR_VOCAB = 16
 PAIR_STOP = 1
 
 
+def pair_config(layers: int = 3, vocab: int = PAIR_VOCAB, inter: int = 128) -> dict:
+    """The pair's target config (hidden 64, 4 heads of 16 over 2 KV heads, stop id PAIR_STOP)."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+    from checkpoints import qwen3_config
+    return qwen3_config(vocab, hidden=64, inter=inter, layers=layers, heads=4, kv_heads=2, head_dim=16,
+                        eos=(PAIR_STOP, 0))
+
+
+def write_target(path: str, tc: dict, seed: int = 0, std: float = 0.35):
+    """Random weights for the target config tc, written as a checkpoint at path."""
+    from checkpoints import random_qwen3_weights, save_checkpoint
+    save_checkpoint(path, tc, random_qwen3_weights(tc, seed=seed, std=std), eos_ids=[PAIR_STOP])
+
+
+def write_drafter(path: str, tc: dict, layers: int = 2, block_size: int = 5, seed: int = 5, std: float = 0.35,
+                  **config):
+    """A random DFlash drafter for the target config tc, reading its first and last layers (config: more of
+    checkpoints.dflash_config's fields, as mask_token_id or dflash2), written as a checkpoint at path."""
+    from checkpoints import dflash_config, random_dflash_weights, save_checkpoint
+    dc = dflash_config(tc, layers=layers, block_size=block_size, target_layer_ids=[0, tc["num_hidden_layers"] - 1],
+                       **config)
+    save_checkpoint(path, dc, random_dflash_weights(dc, seed=seed, std=std))
+
+
 def write_random_pair(root, target_layers: int = 3, draft_layers: int = 2) -> dict:
     """The pair's checkpoints under root/target and root/draft; returns their paths."""
-    sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
-    from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint
-    tc = qwen3_config(PAIR_VOCAB, hidden=64, inter=128, layers=target_layers, heads=4, kv_heads=2, head_dim=16,
-                      eos=(PAIR_STOP, 0))
-    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[PAIR_STOP])
-    dc = dflash_config(tc, layers=draft_layers, block_size=5, target_layer_ids=[0, target_layers - 1])
-    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=5, std=0.35))
+    tc = pair_config(target_layers)
+    write_target(str(root / "target"), tc)
+    write_drafter(str(root / "draft"), tc, layers=draft_layers)
     return {"root": root, "target": str(root / "target"), "draft": str(root / "draft")}
 
 

@@ -14,18 +14,17 @@ from hypothesis import given, settings, strategies as st
 
 import cpu
 import draft_tree as dt
-from conftest import random_prompts
+from conftest import PAIR_VOCAB, pair_config, random_prompts, write_drafter
 from ddtree import Engine, Speculation, generate, generate_batch
 from drafter import DFlashDrafter
 from model import Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from checkpoints import DFLASH2, dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, \
-    save_checkpoint  # noqa: E402
+from checkpoints import DFLASH2  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from settings import grouped  # noqa: E402
 
-VOCAB = 16
+VOCAB = PAIR_VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,14 +82,12 @@ def test_heap_tree_is_the_best_tree(seed):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dflash2")
-    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, eos=(1, 0))
-    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[1])
-    dc = dflash_config(tc, layers=2, block_size=6, target_layer_ids=[0, 2], dflash2=dict(DFLASH2, selector_top_k=4))
-    save_checkpoint(str(root / "draft"), dc, random_dflash_weights(dc, seed=4, std=0.35))
-    target = Qwen3.from_pretrained(str(root / "target"), device="cpu")
-    return target, DFlashDrafter.from_pretrained(str(root / "draft"), device="cpu").bind(target)
+def models(random_pair_files, tmp_path_factory):
+    """The shared pair's target with a DFlash 2 drafter (block 6, a selector over 4 candidates)."""
+    draft = str(tmp_path_factory.mktemp("dflash2") / "draft")
+    write_drafter(draft, pair_config(), block_size=6, seed=4, dflash2=dict(DFLASH2, selector_top_k=4))
+    target = Qwen3.from_pretrained(random_pair_files["target"], device="cpu")
+    return target, DFlashDrafter.from_pretrained(draft, device="cpu").bind(target)
 
 
 def greedy(target, drafter, prompt, **kw):

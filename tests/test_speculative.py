@@ -12,30 +12,28 @@ from safetensors.torch import load_file, save_file
 
 import compiling
 import cpu
-from conftest import compiled_equals_eager, random_prompts
+from conftest import PAIR_VOCAB, compiled_equals_eager, pair_config, random_prompts, write_drafter, write_target
 from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter
 from loading import checkpoint_tensors, default_target_layer_ids
 from model import Attention, Linear, Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from checkpoints import dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights, save_checkpoint  # noqa
+from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa
 from sampler import Sampling
 from settings import grouped
 
-VOCAB = 16  # small, so random drafts are often right and paths get accepted, compacted and extended
+VOCAB = PAIR_VOCAB  # small, so random drafts are often right and paths get accepted, compacted and extended
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    tc = qwen3_config(VOCAB, hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, eos=(1, 0))
-    save_checkpoint(str(root / "target"), tc, random_qwen3_weights(tc, std=0.35), eos_ids=[1])
-    paths = {"target": str(root / "target")}
-    for block in (3, 5, 8):
-        dc = dflash_config(tc, layers=2, block_size=block, target_layer_ids=[0, 2])
-        save_checkpoint(str(root / f"draft{block}"), dc, random_dflash_weights(dc, seed=block, std=0.35))
+def files(random_pair_files, tmp_path_factory):
+    """The shared pair (its drafter: block 5) and drafters of blocks 3 and 8 for its target."""
+    root, tc = tmp_path_factory.mktemp("drafters"), pair_config()
+    paths = {"target": random_pair_files["target"], 5: random_pair_files["draft"]}
+    for block in (3, 8):
         paths[block] = str(root / f"draft{block}")
+        write_drafter(paths[block], tc, block_size=block, seed=block)
     return paths, tc
 
 
@@ -150,7 +148,7 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
     linears = [m for model in (target, drafters[5]) for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
     _, tc = files
-    save_checkpoint(str(tmp_path / "other"), tc, random_qwen3_weights(tc, seed=5, std=0.35), eos_ids=[1])
+    write_target(str(tmp_path / "other"), tc, seed=5)
     other = Qwen3.from_pretrained(str(tmp_path / "other"), device="cpu")
     eager = greedy(other, drafters[5], cases[1][0], max_new_tokens=30, **kw).tokens
     assert eager != greedy(target, drafters[5], cases[1][0], max_new_tokens=30, **kw).tokens
@@ -315,7 +313,7 @@ def test_compiled_engines_run_their_own_models(files, models, tmp_path, mode=Tru
     # engines are warm, switching targets compiles nothing new.
     from torch._dynamo.utils import counters
     _, tc = files
-    save_checkpoint(str(tmp_path / "other"), tc, random_qwen3_weights(tc, seed=5, std=0.35), eos_ids=[1])
+    write_target(str(tmp_path / "other"), tc, seed=5)
     target, drafters = models
     other = Qwen3.from_pretrained(str(tmp_path / "other"), device="cpu")
     prompt = prompts(1, seed=21)[0]
@@ -338,8 +336,7 @@ def test_guards_are_checked_at_each_runs_first_step(files, models, tmp_path, mon
     # are compiled nothing recompiles. A run of R rounds skips the guards at R - 1 of them, and eager runs never.
     from torch._dynamo.utils import counters
     _, tc = files
-    save_checkpoint(str(tmp_path / "eps"), dict(tc, rms_norm_eps=0.5), random_qwen3_weights(tc, std=0.35),
-                    eos_ids=[1])
+    write_target(str(tmp_path / "eps"), dict(tc, rms_norm_eps=0.5))  # the shared target's weights
     target, _ = models
     other = Qwen3.from_pretrained(str(tmp_path / "eps"), device="cpu")
     prompt = prompts(1, seed=23)[0]
