@@ -132,8 +132,8 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = Linear(hidden, rank)
 
     def lattice(self, hidden, logits, anchor) -> Lattice:
-        """hidden [N, L, H], logits [N, L, V] (float32, or float64) of the L draft positions, anchor [N] (the bonus, the token
-        before position 0) -> the Lattice of candidates [N, L, K] (logit order) and scores [N, L, K, K]: row p of
+        """hidden [N, L, H], logits [N, L, V] (float32, or float64) of the L draft positions, anchor [N] (the
+        bonus, the token before position 0) -> the Lattice of candidates [N, L, K] (logit order) and scores [N, L, K, K]: row p of
         position d scores the candidates after candidate p of position d - 1 (after the anchor for d = 0, whose K
         rows are equal)."""
         K = min(self.top_k, logits.shape[-1])

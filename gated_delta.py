@@ -354,9 +354,10 @@ class GatedDeltaNet(nn.Module):
     in_proj_qkv gives one channel block [q (Hk * Dk), k (Hk * Dk), v (Hv * Dv)] that runs through the depthwise
     causal conv (kernel K, no bias, SiLU); in_proj_z the output gate, in_proj_b beta = sigmoid(b), in_proj_a the
     log decay g = -exp(A_log) * softplus(a + dt_bias). q and k are l2-normalized (normalize_qk) and each of the
-    Hk key heads serves Hv / Hk consecutive value heads (the rules form q . k once per key head). The rule runs and the state is kept
-    in float32 (float64 for a float64 model) whatever the model dtype; the conv and its state stay in the model
-    dtype, as in transformers. Then the gated norm with z, and out_proj.
+    Hk key heads serves Hv / Hk consecutive value heads (the rules form q . k once per key head). The rule runs
+    and the state is kept in float32 (float64 for a float64 model) whatever the model dtype; the conv's input and
+    state stay in the model dtype, as in transformers, its taps summed in float32. Then the gated norm with z, and
+    out_proj.
 
     forward(x, recurrent): a chain (recurrent None or Recurrent.chain) advances `state` / `conv_state` in place
     over the valid rows (chunked rule; the one-step rule for a single row); a tree (Recurrent.tree) leaves them
