@@ -133,9 +133,9 @@ class CandidateSelector(nn.Module):
 
     def lattice(self, hidden, logits, anchor) -> Lattice:
         """hidden [N, L, H], logits [N, L, V] (float32, or float64) of the L draft positions, anchor [N] (the
-        bonus, the token before position 0) -> the Lattice of candidates [N, L, K] (logit order) and scores [N, L, K, K]: row p of
-        position d scores the candidates after candidate p of position d - 1 (after the anchor for d = 0, whose K
-        rows are equal)."""
+        bonus, the token before position 0) -> the Lattice of candidates [N, L, K] (logit order) and scores
+        [N, L, K, K]: row p of position d scores the candidates after candidate p of position d - 1 (after the
+        anchor for d = 0, whose K rows are equal)."""
         K = min(self.top_k, logits.shape[-1])
         unary, tokens = logits.topk(K, dim=-1)
         before = torch.cat([anchor[:, None, None].expand(-1, 1, K), tokens[:, :-1]], dim=1)  # [N, L, K]
