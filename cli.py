@@ -66,6 +66,8 @@ def parse_args(argv):
     p.add_argument("--denoise-steps", default=None, help="dflash, ddtree: drafter passes per round (default 1)")
     p.add_argument("--show-tree", action="store_true", default=None,
                    help="dflash, ddtree: print the first round's tree with accepted marks")
+    p.add_argument("--draft-window", default=None,
+                   help="dflash, ddtree: the drafter sees only the last W committed tokens (default: all)")
     p.add_argument("--memory", action="store_true",
                    help="print on stderr, before generating, the caches' bytes per token of context (target K/V, "
                         "drafter K/V), the recurrent states' bytes per request, and the longest request's total")
@@ -105,7 +107,8 @@ def settings_from_args(args) -> dict:
                   min_p=as_float("--min-p", args.min_p), seed=as_int("--seed", args.seed),
                   draft_temperature=as_float("--draft-temperature", args.draft_temperature),
                   denoise_steps=as_int("--denoise-steps", args.denoise_steps),
-                  draft_sampling=args.draft_sampling, show_tree=args.show_tree)
+                  draft_sampling=args.draft_sampling, show_tree=args.show_tree,
+                  draft_window=as_int("--draft-window", args.draft_window))
     given = {k: v for k, v in values.items() if v is not None}
     flags = set(given) | ({"draft"} if args.draft is not None else set())
     check_sampling(Sampling(given["temperature"], given.get("top_k", 0), given.get("top_p", 1.0),
@@ -383,7 +386,7 @@ def say(line: str):
 # The API's parameter names that are CLI flags of another spelling: the command line speaks in flags.
 FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "max_new_tokens", "top_k", "top_p", "min_p", "temperature", "budget", "draft_temperature", "draft_sampling",
-    "denoise_steps", "show_tree", "seed")} | {"max_batch": "--batch-size"}
+    "denoise_steps", "show_tree", "draft_window", "seed")} | {"max_batch": "--batch-size"}
 
 
 def in_flags(message: str) -> str:

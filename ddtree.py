@@ -198,8 +198,10 @@ class Engine:
             # walks and commits fewer rows. Budget auto's tally reads the chain's L drafts and paths as long.
             self.reach = self.depth if tally else min(self.nodes, self.depth)
             # The block sees itself bidirectionally, or causally, or within a sliding window, as each drafter
-            # layer says (docs/checkpoints.md): one mask per kind.
-            self.draft_masks = {kind: block_mask(drafter.block_size, max_seq_len, self.device, dense, batch, *kind)
+            # layer says (docs/checkpoints.md): one mask per kind; with draft_window W, of the committed context
+            # only its last W tokens (every kind: a sliding layer's window intersects it).
+            self.draft_masks = {kind: block_mask(drafter.block_size, max_seq_len, self.device, dense, batch, *kind,
+                                                 context=spec.draft_window)
                                 for kind in drafter.config.mask_kinds}
             self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense, batch)
         self.prefill_step, self.round = self._prefill_step, (self._decode if method == "ar" else self._round)
@@ -565,9 +567,10 @@ def models_in_use(*models):
 
 
 def block_mask(q_len: int, max_seq_len: int, device, dense: bool, batch: int, window: int | None = None,
-               causal_rows: bool = False) -> PrefixMask:
-    """The drafter block's mask: the context, and the block bidirectionally or causally; within `window`."""
-    mask = PrefixMask(q_len, max_seq_len, device, dense, batch, window)
+               causal_rows: bool = False, context: int | None = None) -> PrefixMask:
+    """The drafter block's mask: the context (its last `context` tokens), and the block bidirectionally or
+    causally; within `window`."""
+    mask = PrefixMask(q_len, max_seq_len, device, dense, batch, window, context)
     mask.allow.copy_(causal(q_len) if causal_rows else torch.ones(q_len, q_len, dtype=torch.bool))
     return mask
 

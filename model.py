@@ -290,9 +290,9 @@ def _layer_once(layer, x, cos, sin, cache_pos, mask):
 
 @torch.compiler.nested_compile_region
 def _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, kv_num_blocks, kv_indices, full_num, full_idx, prefix,
-                            allow, window):
+                            allow, window, context):
     mask = prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow,
-                             layer.self_attn.k_cache.shape[2], window or None)
+                             layer.self_attn.k_cache.shape[2], window or None, context or None)
     return layer(x, cos, sin, cache_pos, mask)
 
 
@@ -325,7 +325,8 @@ def run_layer(layer, x, cos, sin, cache_pos, mask, recurrent=None):
         if hasattr(mask, "prefix_tensors"):
             # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the
             # mask goes in as its tensors and is rebuilt inside, so each distinct layer is traced once.
-            return _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, *mask.prefix_tensors, mask.window or 0)
+            return _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, *mask.prefix_tensors, mask.window or 0,
+                                           mask.context or 0)
         return _layer_once(layer, x, cos, sin, cache_pos, mask)
     return layer(x, cos, sin, cache_pos, mask)
 

@@ -37,14 +37,15 @@ class Speculation:
     draft_sampling: bool = False  # dflash with sampling: sample the chain, verify with min(1, p/q)
     denoise_steps: int = 1  # drafter passes per round
     show_tree: bool = False  # keep each round's tree in Result.trees
+    draft_window: int | None = None  # dflash, ddtree: the drafter sees only the last W committed tokens (None: all)
 
 
-SPECULATION_FIELDS = ("draft_temperature", "draft_sampling", "denoise_steps", "show_tree")
+SPECULATION_FIELDS = ("draft_temperature", "draft_sampling", "denoise_steps", "show_tree", "draft_window")
 
 
 def grouped(settings: dict) -> dict:
     """generate()'s keyword arguments from flat ones, as the command line's flags name them: draft_temperature,
-    draft_sampling, denoise_steps and show_tree make its `speculation`; the rest pass as they are."""
+    draft_sampling, denoise_steps, show_tree and draft_window make its `speculation`; the rest pass as they are."""
     out = {k: v for k, v in settings.items() if k not in SPECULATION_FIELDS}
     given = {k: settings[k] for k in SPECULATION_FIELDS if k in settings}
     if given and "speculation" in out:
@@ -84,11 +85,14 @@ def check_settings(method, sampling, budget, speculation) -> tuple:
             raise ValueError(f"budget must be a positive integer or 'auto', got {budget!r}")
         check_int("budget", budget, 1)
     check_int("denoise_steps", spec.denoise_steps, 1)
+    if spec.draft_window is not None:
+        check_int("draft_window", spec.draft_window, 1)
     draft_temperature = real("draft_temperature", spec.draft_temperature, TypeError)
     if not 0 < draft_temperature < float("inf") or draft_temperature > 1e300:
         raise ValueError(f"draft_temperature must be a positive finite number, got {draft_temperature!r}")
     given = dict(budget=budget is not None, draft_temperature=draft_temperature != 1,
                  draft_sampling=spec.draft_sampling, denoise_steps=spec.denoise_steps != 1, show_tree=spec.show_tree,
+                 draft_window=spec.draft_window is not None,
                  top_k=sampling.top_k != 0, top_p=sampling.top_p != 1, min_p=sampling.min_p != 0)
     check_applies(method, sampling.greedy, [name for name, g in given.items() if g])
     budget = (DEFAULT_BUDGET if budget is None else budget) if method == "ddtree" else None
@@ -200,7 +204,7 @@ def applies(setting: str, method: str, greedy: bool) -> bool:
     """Whether a setting can change a run of `method`: the one table behind refusing settings that do not apply."""
     return {"budget": method == "ddtree", "draft_temperature": method == "ddtree",
             "draft_sampling": method == "dflash" and not greedy, "draft": method != "ar",
-            "denoise_steps": method != "ar", "show_tree": method != "ar",
+            "denoise_steps": method != "ar", "show_tree": method != "ar", "draft_window": method != "ar",
             "top_k": not greedy, "top_p": not greedy, "min_p": not greedy}.get(setting, True)
 
 

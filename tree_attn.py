@@ -47,11 +47,12 @@ def flex_kernel_options(q_len: int, device_type: str) -> dict | None:
 
 
 def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow, kv_len: int,
-                      window: int | None = None) -> BlockMask:
+                      window: int | None = None, context: int | None = None) -> BlockMask:
     """PrefixMask's BlockMask from its tensors: row q of request b sees the slots before prefix[b] and, among the
     rows written from prefix[b] on, those that allow[b, q] marks; with a `window`, only the slots within
-    window - 1 of its own slot prefix[b] + q (a sliding-window layer). Also what a compiled layer rebuilds its mask
-    with (model.run_layer), so that the mask reaches it as tensors."""
+    window - 1 of its own slot prefix[b] + q (a sliding-window layer); with a `context`, of the slots before
+    prefix[b] only the last `context` (the drafter's context window; every row alike). Also what a compiled layer
+    rebuilds its mask with (model.run_layer), so that the mask reaches it as tensors."""
     q_len = allow.shape[-1]
     last = q_len - 1
 
@@ -59,6 +60,8 @@ def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, all
         rel = kv - prefix[b]
         new = (rel >= 0) & (rel <= last)
         seen = (kv < prefix[b]) | (new & (allow[b, q.clamp(0, last), rel.clamp(0, last)] != 0))
+        if context is not None:
+            seen = seen & (rel >= -context)
         if window is None:
             return seen
         return seen & (rel - q > -window) & (rel - q < window)
@@ -66,7 +69,7 @@ def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, all
     block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_num, full_idx, BLOCK_SIZE=BLOCK,
                                           mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
     block_mask.prefix_tensors = (kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow)
-    block_mask.window = window
+    block_mask.window, block_mask.context = window, context
     return block_mask
 
 
@@ -76,12 +79,12 @@ class PrefixMask:
     attention layers take: the BlockMask (FlexAttention), or with dense=True the same mask as a boolean
     [batch, 1, q_len, slots] tensor over the KV slots it visits (SDPA: eager FlexAttention on the CPU runs a
     vmapped math fallback). With a `window` (a sliding-window layer), a row sees only the slots within
-    window - 1 of its own."""
+    window - 1 of its own; with a `context`, only the last `context` slots before the prefix (and its own rows)."""
 
     def __init__(self, q_len: int, kv_len: int, device, dense: bool = False, batch: int = 1,
-                 window: int | None = None):
+                 window: int | None = None, context: int | None = None):
         assert kv_len % BLOCK == 0, "cache length must be a multiple of the FlexAttention block"
-        self.q_len, self.kv_len, self.dense, self.window = q_len, kv_len, dense, window
+        self.q_len, self.kv_len, self.dense, self.window, self.context = q_len, kv_len, dense, window, context
         self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
         # Bytes, not bool: the round rewrites this matrix, and inductor's CPU code writes bool tensors many times
         # slower than bytes (docs/compile.md, "allow matrix as bytes"). Nonzero = allowed. The compiled round
@@ -104,7 +107,7 @@ class PrefixMask:
         for t in (self.prefix, self.allow, self.kv_num_blocks, self.kv_indices, self.full_num):
             torch._dynamo.mark_static_address(t)
         self.block_mask = prefix_block_mask(self.kv_num_blocks, self.kv_indices, self.full_num, full_idx,
-                                            self.prefix, self.allow, kv_len, window)
+                                            self.prefix, self.allow, kv_len, window, context)
         self.mask_mod = self.block_mask.mask_mod
 
     def set(self, prefix, allow: torch.Tensor | None = None, slots: int | None = None):
@@ -121,13 +124,19 @@ class PrefixMask:
             # elementwise ops (NoValidChoicesError: "Pointwise" has no name), e.g. an even number of doublings.
             self.allow.copy_(allow.as_strided(allow.shape, allow.stride()))
         # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len), per request; those below
-        # the prefix as full blocks. A window's rows see less, each its own span: every block from that of the
-        # first row's lowest slot on goes through the mask_mod.
+        # the prefix as full blocks. A window's or a context's rows see less: every block from that of the lowest
+        # slot any row sees on goes through the mask_mod (the first row's lowest, the window's and the context's
+        # bounds both holding for every row).
         end = ((self.prefix + self.q_len + BLOCK - 1) // BLOCK).clamp(max=self.n_kv).to(torch.int32)
-        if self.window is None:
+        if self.window is None and self.context is None:
             full = first = (self.prefix // BLOCK).clamp(max=self.n_kv).to(torch.int32)
         else:
-            first = ((self.prefix - self.window + 1).clamp(min=0) // BLOCK).clamp(max=self.n_kv).to(torch.int32)
+            low = torch.zeros_like(self.prefix)
+            if self.window is not None:
+                low = torch.maximum(low, self.prefix - self.window + 1)
+            if self.context is not None:
+                low = torch.maximum(low, self.prefix - self.context)
+            first = (low // BLOCK).clamp(max=self.n_kv).to(torch.int32)
             full = first * 0
         self.full_num.copy_(full[:, None, None].expand_as(self.full_num))
         self.kv_num_blocks.copy_((end - first)[:, None, None].expand_as(self.kv_num_blocks))

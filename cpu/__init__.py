@@ -241,11 +241,11 @@ def _tree_attention_shape(q, k_cache, v_cache, prefix, allow, scale):
 
 def cpu_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, mask) -> bool:
     """Whether attention of q [N, H, Q, D] over this cache under `mask` runs the CPU kernel: float32 or bfloat16 on
-    the CPU, a PrefixMask's BlockMask without a window, a head size it is built for, and the kernel loaded
+    the CPU, a PrefixMask's BlockMask without a window or context, a head size it is built for, and the kernel loaded
     (load_cpu_kernel). Decided from shapes and types alone, so once per compiled graph."""
     return (cpu_kernel_loaded and USE_CPU_KERNEL and q.device.type == "cpu" and q.dtype in KERNEL_DTYPES
             and k_cache.dtype == q.dtype and q.shape[-1] in KERNEL_HEAD_DIMS and hasattr(mask, "prefix_tensors")
-            and mask.window is None)
+            and mask.window is None and mask.context is None)
 
 
 def cpu_attention(q, k_cache, v_cache, mask, scale: float) -> torch.Tensor:
