@@ -139,11 +139,16 @@ class CandidateSelector(nn.Module):
         K = min(self.top_k, logits.shape[-1])
         unary, tokens = logits.topk(K, dim=-1)
         before = torch.cat([anchor[:, None, None].expand(-1, 1, K), tokens[:, :-1]], dim=1)  # [N, L, K]
-        f = logits.dtype
-        h = self.hidden_projection(hidden).to(f)  # [N, L, r]
-        pred = self.predecessor_codebook[before].to(f) * h[:, :, None]  # [N, L, K, r]
-        succ = self.successor_codebook[tokens].to(f)  # [N, L, K, r]
-        return Lattice(tokens, unary[:, :, None, :] + pred @ succ.transpose(-1, -2))
+        return Lattice(tokens, self.scores(hidden, before, tokens, unary))
+
+    def scores(self, hidden, before, tokens, unary):
+        """The selector's scores [..., P, K] of candidates tokens [..., K] (logits `unary` [..., K]) after each
+        of the tokens before [..., P], at positions of drafter outputs hidden [..., H], in the logits' dtype."""
+        f = unary.dtype
+        h = self.hidden_projection(hidden).to(f)[..., None, :]  # [..., 1, r]
+        pred = self.predecessor_codebook[before].to(f) * h  # [..., P, r]
+        succ = self.successor_codebook[tokens].to(f)  # [..., K, r]
+        return unary[..., None, :] + pred @ succ.transpose(-1, -2)
 
 
 class DFlashDrafter(nn.Module):

@@ -250,11 +250,8 @@ def selector_loss(selector, hidden, logits, anchor_tokens, labels, valid, gamma:
     rows = lambda t: t.view(B, n, L + 1, -1)[:, :, 1:]  # row 0 (the anchor's) is no prediction
     logits, hidden = rows(logits), rows(hidden)
     before = torch.cat([anchor_tokens[..., None], labels[..., :-1]], dim=-1)  # [B, n, L]
-    unary, candidates = logits.topk(selector.top_k, dim=-1)
-    h = selector.hidden_projection(hidden).float()
-    pred = selector.predecessor_codebook[before].float() * h  # [B, n, L, r]
-    succ = selector.successor_codebook[candidates].float()  # [B, n, L, K, r]
-    scores = unary + (succ @ pred[..., None])[..., 0]
+    unary, candidates = logits.float().topk(selector.top_k, dim=-1)
+    scores = selector.scores(hidden, before[..., None], candidates, unary)[..., 0, :]  # [B, n, L, K]
     hit = candidates == labels[..., None]
     w = torch.exp(-torch.arange(L, device=logits.device, dtype=torch.float32) / gamma) * (valid & hit.any(-1))
     ce = torch.logsumexp(scores, -1) - (scores * hit).sum(-1)
