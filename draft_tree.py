@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sampler import sample
+
 
 def f32(x: float) -> float:
     """Round a Python float to float32. A float32 + float32 sum done in double and then rounded to float32 equals
@@ -282,8 +284,8 @@ def build_lattice_tree(tokens: torch.Tensor, logq: torch.Tensor, budget: int):
         if limit < 0:
             break
         F = score.shape[-1]
-        parent = torch.arange(F, device=dev).repeat_interleave(K)  # pi-major pairs (pi, k)
-        child = torch.arange(K, device=dev).repeat(F)
+        pairs = torch.arange(F * K, device=dev)  # pi-major pairs (pi, k)
+        parent, child = pairs // K, pairs % K
         allowed = sum(max(0, min(K, limit - pi + 1)) for pi in range(F))  # pairs with pi + k <= limit
         ranked = lambda t: t[:, d].gather(1, state[..., None].expand(-1, -1, K)).reshape(batch, F * K)
         cand = score[:, parent] + ranked(topv)
@@ -308,7 +310,6 @@ def walk_lattice(lattice: Lattice, length: int, vocab: int, temperature: float =
     softmax(scores / temperature) with one uniform of noise [N, length] per position (sampler.sample).
     Returns (tokens [N, length], q [N, length, V]: the law each draft was drawn from, over the vocabulary, for the
     min(1, p/q) rule; None when greedy), V being `vocab`."""
-    from sampler import sample  # (sampler.py does not import this file)
     n = lattice.tokens.shape[0]
     state = torch.zeros(n, 1, dtype=torch.int64, device=lattice.tokens.device)
     tokens, laws = [], []
