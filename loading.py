@@ -68,7 +68,10 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
         sizes["intermediate_size"] = positive(where, d, "intermediate_size", default=1) if \
             d.get("intermediate_size") is not None else 0
     heads = sizes["num_attention_heads"]
-    family = hybrid and f"qwen3_5{'_moe' if hybrid == 'moe' else ''}" or ("qwen3_moe" if is_moe(d, moe) else "qwen3")
+    if hybrid:
+        family = "qwen3_5_moe" if hybrid == "moe" else "qwen3_5"
+    else:
+        family = "qwen3_moe" if is_moe(d, moe) else "qwen3"
     defaults = ABSENT_DEFAULTS[family]
     # A field absent from the file takes transformers' default for the family (a null num_key_value_heads means
     # as many as the heads, as transformers reads it); `defaulted` names them for a later shape error.
