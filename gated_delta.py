@@ -133,7 +133,10 @@ def to_value_heads(x: torch.Tensor, heads: int, dim: int = 2) -> torch.Tensor:
     """x with its key-head dimension `dim` repeated to `heads` value heads (key head h serves value heads
     h * r .. h * r + r - 1, r = heads / key heads); x itself when they are as many."""
     r = heads // x.shape[dim]
-    return x if r == 1 else x.repeat_interleave(r, dim=dim)
+    if r == 1:
+        return x
+    # expand + flatten is repeat_interleave's result without its index search (slow on the CPU)
+    return x.unsqueeze(dim + 1).expand(*x.shape[:dim + 1], r, *x.shape[dim + 1:]).flatten(dim, dim + 1)
 
 
 def recurrent_gated_delta(q, k, v, g, beta, state):
