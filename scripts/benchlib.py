@@ -336,11 +336,23 @@ def held_out_code(text: Text, n: int, lo: int, hi: int, seed: int):
     return out
 
 
+def long_windows(text: Text, n: int, length: int, seed: int):
+    """n token windows of exactly `length` from the held-out standard-library files read as one stream (a window
+    may run across files, as a long context of several files does)."""
+    rng = random.Random(seed)
+    _, held = stdlib_files(HELD_OUT_EVERY)
+    stream = [t for f in held for t in text.encode(read(f))]
+    if len(stream) <= length:
+        raise ValueError(f"the held-out files hold {len(stream)} tokens: no window of {length}")
+    starts = [rng.randint(0, len(stream) - length) for _ in range(n)]
+    return [stream[s:s + length] for s in starts]
+
+
 def interleaved_runs(configs: dict, prompts, new_tokens, compile, passes=3) -> dict:
     """Greedy generations of every config side by side: one engine per config, all alive at once and warmed up
     first, then `passes` over the prompts with each prompt run by every config in turn, so that a slow spell of
-    the machine lands on all of them alike. configs: {key: (target, drafter, method, budget, denoise)}; the first
-    is the reference the others' tokens are compared with (plain decoding, normally).
+    the machine lands on all of them alike. configs: {key: (target, drafter, method, budget, denoise[, drafter
+    window])}; the first is the reference the others' tokens are compared with (plain decoding, normally).
 
     Per key: tau and tokens_per_s over every pass, accepted (the first pass's rounds), same_tokens (prompts whose
     tokens equal the reference's), common_prefix (mean tokens before the first difference from the reference:
@@ -349,8 +361,9 @@ def interleaved_runs(configs: dict, prompts, new_tokens, compile, passes=3) -> d
     length = max(len(p) for p in prompts)
     engines, out = {}, {}
     with torch.inference_mode():
-        for key, (target, drafter, method, budget, denoise) in configs.items():
-            spec = Speculation(budget=budget if method == "ddtree" else None, denoise_steps=denoise)
+        for key, (target, drafter, method, budget, denoise, *window) in configs.items():
+            spec = Speculation(budget=budget if method == "ddtree" else None, denoise_steps=denoise,
+                               draft_window=(window or [None])[0])
             engine = Engine(target, drafter if method != "ar" else None, method, Sampling(), spec,
                             cache_length(length, new_tokens, method, spec, drafter), compile)
             engines[key] = engine
@@ -436,19 +449,24 @@ def build_target(shape: dict, device, dtype, seed: int = 0, std: float = 0.02) -
     return target.eval()
 
 
-def build_drafter(target: Qwen3, block: int, layers: int, seed: int = 1, std: float = 0.02) -> DFlashDrafter:
+def build_drafter(target: Qwen3, block: int, layers: int, seed: int = 1, std: float = 0.02, ids=None,
+                  model: dict | None = None, **dflash) -> DFlashDrafter:
     """A random DFlash drafter (plain Qwen3 layers whatever the target's) reading z-lab's Qwen3-8B layers on a
-    36-layer target, else the first three."""
+    36-layer target, else the first three (or `ids`). `model` overrides the layers' shapes (heads, MLP width), taken
+    from the target by default; `dflash` sets DFlashConfig's other fields (DFlash 2's convolutions and selector,
+    per-layer attention)."""
     t = target.config
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
-    model = Qwen3Config(**{k: getattr(t, k) for k in keys}, num_hidden_layers=layers, tie_word_embeddings=False)
-    ids = [1, 9, 17, 25, 33] if t.num_hidden_layers == 36 else list(range(min(3, t.num_hidden_layers)))
-    dc = DFlashConfig(model=model, block_size=block, num_target_layers=t.num_hidden_layers, target_layer_ids=ids,
-                      mask_token_id=t.vocab_size - 1)
+    shape = {k: getattr(t, k) for k in keys} | (model or {})
+    config = Qwen3Config(**shape, num_hidden_layers=layers, tie_word_embeddings=False)
+    if ids is None:
+        ids = [1, 9, 17, 25, 33] if t.num_hidden_layers == 36 else list(range(min(3, t.num_hidden_layers)))
+    dc = DFlashConfig(model=config, block_size=block, num_target_layers=t.num_hidden_layers, target_layer_ids=ids,
+                      mask_token_id=t.vocab_size - 1, **dflash)
     drafter = materialize(lambda: DFlashDrafter(dc), target.device, target.dtype)
     fill_random(drafter, seed, std, False)
-    drafter.inv_freq = rope_frequencies(model, target.device)[0]
+    drafter.inv_freq = rope_frequencies(config, target.device)[0]
     return drafter.eval().bind(target)
 
 
@@ -490,10 +508,11 @@ def pipelined_ms(fn, device, n: int) -> float:
 
 
 def keep(out):
-    """Clones of a compiled call's tensors: a CUDA graph's next replay overwrites its outputs."""
+    """Clones of a compiled call's tensors (and of what has a clone, as a Lattice): a CUDA graph's next replay
+    overwrites its outputs."""
     if isinstance(out, tuple):
         return tuple(keep(t) for t in out)
-    return out.clone() if isinstance(out, torch.Tensor) else out
+    return out.clone() if hasattr(out, "clone") else out
 
 
 def copy_bandwidth(device, gib: float) -> float:

@@ -14,13 +14,16 @@ Parts (docs/benchmarks.md, "gpu_check", says what each measures):
   projection     the paper's acceptance (Qwen3-8B, MATH-500, T = 0) x our AR step / our round: speedup, tokens/s
   hybrid-rule    the 27B-shaped tree rule alone, R = 65 / 257 / 513, both solves, eager and in a CUDA graph
   hybrid-slice   4 layers of Qwen3.5-27B: AR step against its floor, verify at B 64 / 512, extra peak memory
+  dflash2-profile  a DDTree round over a DFlash 2 drafter of Qwen3.8-27B-DFlash2's shapes on the 27B slice: stages
+  prefill        prompts of 8K and 32K tokens through the compiled prefill on the 8B target and the 27B slice
   flex           compiled FlexAttention under the engine's masks against SDPA at G = 4, 6 (head 256) and 8
 
 Without --parts a device run takes what matters first: hybrid-tiny and pair-smoke (whether the engine is right on
 the device at all), ar-profile and round-profile (the speed of a step and of a round), projection right after its
 inputs (it then compiles the chain's verify and the B = 512 verify alone), hybrid-rule (no compile: it decides how
 the recurrent layers can be captured); then, only if they fit before the deadline, verify-curve, hybrid-slice and
-flex (the first two parts already check the engine's FlexAttention calls by their tokens). These three are not
+dflash2-profile, prefill and flex (the first two parts already check the engine's FlexAttention calls by their
+tokens). These five are not
 requested, so their being skipped is no failure. With --small every part runs and is requested.
 
 Before a part starts it is priced from the seconds per compiled graph measured so far in this call, per kind of
@@ -58,8 +61,9 @@ import compiling  # noqa: E402
 import ddtree  # noqa: E402
 import gated_delta  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch, prefill_chunk  # noqa: E402
-from draft_tree import ancestor_matrix  # noqa: E402
+from draft_tree import Lattice, ancestor_matrix  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
+from memory import memory_per_token  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from tree_attn import PrefixMask, flex_kernel_options  # noqa: E402
@@ -93,6 +97,18 @@ SMALL_HYBRID = dict(HYBRID_SLICE, vocab_size=4096, hidden_size=256, intermediate
 # deep, so commits of accepted paths through the recurrent layers are exercised.
 TINY_HYBRID = dict(SMALL_HYBRID, vocab_size=8, hidden_size=128, intermediate_size=256, head_dim=32,
                    linear_key_head_dim=32, linear_value_head_dim=32)
+# z-lab/Qwen3.8-27B-DFlash2's drafter as public material describes it: hidden 5120 (its target's), 32 query and 8 KV
+# heads of 128, a block of 8, convolutions of 2 taps with a correction per 16 channels, a selector of rank 256 over
+# 16 candidates, sliding layers of window 2048 that see the block both ways. Its layer count and MLP width are not
+# in that material: 5 layers (z-lab's DFlash drafters of 8B targets) and the target's 17408 stand in, and the JSON
+# names them as assumed. It reads four target layers, all a 4-layer slice has.
+DFLASH2_27B = dict(block=8, layers=5, ids=[0, 1, 2, 3], conv_kernel_size=2, conv_group_size=16, selector_rank=256,
+                   selector_top_k=16, attention=((2048, False),) * 5,
+                   model=dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=17408))
+SMALL_DFLASH2 = dict(DFLASH2_27B, layers=2, attention=((64, False),) * 2, selector_rank=32, selector_top_k=8,
+                     model=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768))
+DFLASH2_ASSUMED = ["num_hidden_layers", "intermediate_size"]
+PREFILL_LENGTHS = (8192, 32768)  # --small: (1024, 2048)
 CONTEXT = 512  # committed tokens before every timed step, round and verify
 CHAIN_BUDGET = 15  # the 8B drafter's chain (block 16) verifies 16 rows, as a tree of 15 nodes does
 
@@ -216,6 +232,13 @@ class Run:
             target = build_target(SMALL if self.a.small else QWEN3_8B, self.device, self.dtype)
             self.models["8b"] = (target, build_drafter(target, block=16, layers=2 if self.a.small else 5))
         return self.models["8b"]
+
+    def slice27b(self):
+        """Four layers of Qwen3.5-27B (--small: of the small hybrid) in the run's dtype, built once."""
+        if "27b-slice" not in self.models:
+            self.models["27b-slice"] = build_target(SMALL_HYBRID if self.a.small else HYBRID_SLICE, self.device,
+                                                    self.dtype)
+        return self.models["27b-slice"]
 
     def bandwidth(self) -> float:
         if "bandwidth" not in self.results:
@@ -391,10 +414,11 @@ def ar_profile(run, out):
     run.results["ar"] = out
 
 
-def round_stages(run, target, drafter, budget: int) -> dict:
+def round_stages(run, target, drafter, budget: int, ar: dict | None = None) -> dict:
     """A DDTree round at `budget` after CONTEXT tokens: each stage compiled alone as the engine compiles its round
     and timed pipelined; the whole round (Engine.run_round) pipelined and per call; Engine.step, whose excess over
-    the round is its one host read and bookkeeping."""
+    the round is its one host read and bookkeeping; the round over `ar` (that target's AR step) when given. A DFlash
+    2 drafter's draft stage is its block and selector, its tree stage the lattice's best tree."""
     spec = Speculation(budget=budget)
     engine = Engine(target, drafter, "ddtree", Sampling(), spec,
                     cache_length(CONTEXT, 16 * (run.repeats + 8), "ddtree", spec, drafter), compile=run.compile)
@@ -408,8 +432,14 @@ def round_stages(run, target, drafter, budget: int) -> dict:
         ms[name] = pipelined_ms(lambda: f(*args), run.device, run.back_to_back)
         return out
 
-    logits_q = measure("draft", "ar", engine.draft, bonus, start)
-    tokens, parents, depths = measure("tree", "tiny", lambda lq: engine.propose(lq, None)[:3], logits_q)
+    if drafter.config.selector:  # a Lattice crosses the stages' edges as its two tensors
+        lattice = measure("draft", "ar", lambda b, s: (lambda lat: (lat.tokens, lat.scores))(engine.draft(b, s)),
+                          bonus, start)
+        tokens, parents, depths = measure("tree", "tiny", lambda t, s: engine.propose(Lattice(t, s), None)[:3],
+                                          *lattice)
+    else:
+        logits_q = measure("draft", "ar", engine.draft, bonus, start)
+        tokens, parents, depths = measure("tree", "tiny", lambda lq: engine.propose(lq, None)[:3], logits_q)
     measure("mask", "tiny", lambda s, p: engine.tree_mask(s, p)[1].anc, start, parents)
     mask, recurrent = engine.tree_mask(start, parents)  # the verify's input, as the round hands it over
     rows, positions, logits, features = measure("verify", "ar", engine.verify, bonus, tokens, depths, start, mask,
@@ -425,8 +455,8 @@ def round_stages(run, target, drafter, budget: int) -> dict:
                round_per_call_ms=per_call_ms(whole, run.device, run.repeats),
                step_ms=per_call_ms(engine.step, run.device, run.repeats))
     rec["host_ms"] = rec["step_ms"] - rec["round_per_call_ms"]
-    if "ar" in run.results:
-        rec["round_over_ar"] = rec["round_ms"] / run.results["ar"]["pipelined_ms"]
+    if ar is not None:
+        rec["round_over_ar"] = rec["round_ms"] / ar["pipelined_ms"]
     run.say(f"  B={budget}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
             + f" ms (sum {rec['stages_sum_ms']:.3f}); whole round {rec['round_ms']:.3f} ms pipelined, "
             f"{rec['round_per_call_ms']:.3f} per call; step {rec['step_ms']:.3f} (host {rec['host_ms']:.3f})"
@@ -436,7 +466,8 @@ def round_stages(run, target, drafter, budget: int) -> dict:
 
 def round_profile(run, out):
     for budget in run.a.round_budgets:
-        out[budget] = run.results.setdefault("rounds", {})[budget] = round_stages(run, *run.pair8b(), budget)
+        out[budget] = run.results.setdefault("rounds", {})[budget] = round_stages(run, *run.pair8b(), budget,
+                                                                                  run.results.get("ar"))
 
 
 def verify_time(run, target, budget: int, feature_layers=()) -> dict:
@@ -484,7 +515,7 @@ def projection(run, out):
     if "ar" not in run.results:
         run.results["ar"] = ar_step(run, target, profile=False)
     if not run.results.get("rounds"):
-        run.results["rounds"] = {64: round_stages(run, target, drafter, 64)}
+        run.results["rounds"] = {64: round_stages(run, target, drafter, 64, run.results["ar"])}
     ar, base = run.results["ar"]["pipelined_ms"], min(run.results["rounds"])
     r0 = run.results["rounds"][base]
     rest = r0["round_ms"] - r0["stages_ms"]["verify"]
@@ -570,9 +601,9 @@ def hybrid_slice(run, out):
     """Four layers of Qwen3.5-27B (--small: of the small hybrid) in bf16, the 8B pair freed first."""
     run.models.clear()
     run.forget()
-    target = build_target(SMALL_HYBRID if run.a.small else HYBRID_SLICE, run.device, run.dtype)
+    target = run.slice27b()
     out["weights_gb"] = sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9
-    out["ar"] = ar_step(run, target, profile=False)
+    out["ar"] = run.results["ar-27b-slice"] = ar_step(run, target, profile=False)
     for budget in (64, 512):
         base = torch.cuda.memory_allocated(run.device) if run.cuda else 0
         if run.cuda:
@@ -581,6 +612,53 @@ def hybrid_slice(run, out):
         rec["extra_peak_gb"] = (torch.cuda.max_memory_allocated(run.device) - base) / 1e9 if run.cuda else None
         run.say(f"  verify B={budget}: {rec['ms']:.3f} ms ({rec['ms'] / out['ar']['pipelined_ms']:.1f}x the AR "
                 f"step), extra peak {rec['extra_peak_gb']} GB")
+
+
+def dflash2_profile(run, out):
+    """A DDTree round (round_stages, at --round-budgets) over a random DFlash 2 drafter of Qwen3.8-27B-DFlash2's
+    shapes (--small: small ones) on the 27B slice: the draft (block, convolutions, selector) and tree (the lattice's
+    best tree) stages at the drafter's full size, the verify of four target layers of 64; the round over the
+    slice's AR step when hybrid-slice measured it in this call."""
+    shape = SMALL_DFLASH2 if run.a.small else DFLASH2_27B
+    target = run.slice27b()
+    drafter = build_drafter(target, **shape)
+    c = drafter.config  # what was built, as built
+    out["drafter"] = dict(layers=c.model.num_hidden_layers, heads=[c.model.num_attention_heads,
+                                                                   c.model.num_key_value_heads, c.model.head_dim],
+                          intermediate_size=c.model.intermediate_size, block=c.block_size,
+                          conv=[c.conv_kernel_size, c.conv_group_size], selector_rank=c.selector_rank,
+                          selector_top_k=c.selector_top_k, attention=list(map(list, c.attention)),
+                          assumed=DFLASH2_ASSUMED,
+                          weights_gb=sum(p.numel() * p.element_size() for p in drafter.parameters()) / 1e9)
+    for budget in run.a.round_budgets:
+        out[budget] = round_stages(run, target, drafter, budget, run.results.get("ar-27b-slice"))
+
+
+def prefill(run, out):
+    """Prompts of 8K and 32K tokens (--small: 1K and 2K) prefilled by an ar engine as a request's start does (in
+    fixed chunks through the one compiled chunk graph on a GPU; eager on a CPU), on the 8B target and on the 27B
+    slice: seconds, tokens/s, the caches' bytes per token and what the longest prompt holds."""
+    lengths = (1024, 2048) if run.a.small else PREFILL_LENGTHS
+    for name, target in (("8b", run.pair8b()[0]), ("27b-slice", run.slice27b())):
+        spec = Speculation()
+        engine = Engine(target, None, "ar", Sampling(), spec, cache_length(max(lengths), 8, "ar", spec, None),
+                        compile=run.compile)
+        chunk = prefill_chunk(run.device.type)
+        run.first_calls("ar", lambda: engine.start([random_tokens(chunk, target.config.vocab_size)], [0]))
+        per_token = memory_per_token(target)
+        rec = out[name] = dict(chunk=chunk, bytes_per_token=per_token)
+        for n in lengths:
+            prompt = random_tokens(n, target.config.vocab_size, seed=n)
+            sync(run.device)
+            t = time.perf_counter()
+            engine.start([prompt], [0])
+            sync(run.device)
+            seconds = time.perf_counter() - t
+            rec[n] = dict(seconds=seconds, tokens_per_s=n / seconds,
+                          cache_gb=(per_token["target_kv"] * n + per_token["recurrent"]) / 1e9)
+            run.say(f"  {name} prefill of {n} tokens: {seconds:.3f} s, {n / seconds:,.0f} tokens/s, caches "
+                    f"{rec[n]['cache_gb']:.2f} GB")
+        del engine
 
 
 # -------------------------------------------------------------------------------------------------------- flex
@@ -666,10 +744,13 @@ PARTS = {
     "projection": (projection, projection_graphs, (10, 5)),
     "hybrid-rule": (hybrid_rule, lambda r: {}, (30, 10)),
     "hybrid-slice": (hybrid_slice, lambda r: dict(ar=3), (30, 10)),
+    "dflash2-profile": (dflash2_profile, lambda r: {k: n * len(r.a.round_budgets) for k, n in
+                                                    dict(ar=2, tiny=4, round=1).items()}, (30, 10)),
+    "prefill": (prefill, lambda r: dict(ar=2 if r.cuda else 0), (40, 20)),
     "flex": (flex, lambda r: dict(tiny=len(SMALL_FLEX_CASES if r.a.small else FLEX_CASES)), (20, 20)),
 }
 FIRST_PARTS = ["hybrid-tiny", "pair-smoke", "ar-profile", "round-profile", "projection", "hybrid-rule"]
-IF_TIME_REMAINS = ["verify-curve", "hybrid-slice", "flex"]
+IF_TIME_REMAINS = ["verify-curve", "hybrid-slice", "dflash2-profile", "prefill", "flex"]
 
 
 class Parser(argparse.ArgumentParser):

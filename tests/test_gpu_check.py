@@ -25,7 +25,8 @@ def gpu_check(tmp_path, *args):
 
 
 def test_named_parts_run_in_order_and_report_their_measures(tmp_path):
-    parts = ["verify-curve", "hybrid-rule", "round-profile", "ar-profile", "projection"]
+    parts = ["verify-curve", "hybrid-rule", "round-profile", "ar-profile", "projection", "dflash2-profile",
+             "prefill"]
     code, stdout, stderr, result = gpu_check(tmp_path, "--eager", "--parts", *parts, "--verify-budgets", "4",
                                              "--repeats", "2")
     assert code == 0, stdout[-3000:] + stderr[-3000:]
@@ -47,6 +48,13 @@ def test_named_parts_run_in_order_and_report_their_measures(tmp_path):
     for row in projection["rows"].values():  # tau x AR step / round, the verifies it lacked measured by itself
         assert row["projected_speedup"] == row["tau"] * projection["ar_ms"] / row["round_ms"] > 0
     assert set(result["parts"]["verify-curve"]["result"]) == {"4"}
+    dflash2 = result["parts"]["dflash2-profile"]["result"]  # the lattice's stages, the drafter's shape recorded
+    assert list(dflash2["64"]["stages_ms"]) == list(stages) and dflash2["drafter"]["selector_top_k"] == 8
+    assert dflash2["drafter"]["assumed"] and "round_over_ar" not in dflash2["64"]  # no slice AR step in this call
+    for name in ("8b", "27b-slice"):
+        rec = result["parts"]["prefill"]["result"][name]
+        assert set(rec) == {"chunk", "bytes_per_token", "1024", "2048"} and rec["bytes_per_token"]["target_kv"] > 0
+        assert all(rec[n]["tokens_per_s"] == int(n) / rec[n]["seconds"] > 0 for n in ("1024", "2048"))
 
 
 def test_a_failing_part_and_an_overrunning_one_end_not_ok_and_the_run_goes_on(tmp_path):
