@@ -15,6 +15,7 @@ The cost of one round and of its parts (their code: scripts/bench_round.py)
 Models side by side (scripts/bench_models.py)
   pair        AR, the DFlash chain and DDTree on a trained pair: tau, tokens/s, the round split; --only-batches:
               generate_batch at growing batch sizes; --only-auto: budget auto beside every fixed choice
+  context     DDTree's tau against prompt length (0.5K-8K), with and without the drafter's window; prefill tokens/s
   official    our DDTree beside the official DDTree loop on the same weights and prompts
   moe         a Qwen3-MoE target beside the dense one of the same active size
   hybrid      the verify forward through a hybrid target beside the dense one: time, peak memory, recurrent share

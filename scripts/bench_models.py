@@ -20,16 +20,16 @@ import time
 import torch
 
 from benchlib import (ROOT, batched_run, cpu_name, held_out_code, in_fresh_process, interleaved, interleaved_runs,
-                      reset_peak, round_header, round_row, round_split, save_random_pair, status_mb, tree_verify,
+                      long_windows, reset_peak, round_header, round_row, round_split, save_random_pair, status_mb, tree_verify,
                       verify_ms, write_json)
 import ddtree
 import gated_delta
 from budget import auto_budgets, cache_file, device_name
 from checkpoints import dflash_config, moe_config, qwen3_config, random_dflash_weights, random_qwen3_weights, \
     save_checkpoint
-from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate
+from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Engine, cache_length, generate
 from drafter import DFlashDrafter
-from model import Qwen3
+from model import Qwen3, position_limit
 from sampler import Sampling
 from settings import Speculation, check_int, check_models, check_request, check_settings, grouped
 from text import Text
@@ -314,6 +314,134 @@ def auto_plot(rows, estimates, ran, budgets, path):
     axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+# --------------------------------------------------------------------------------------------------- context
+
+
+def context_options(p):
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 1920, 4096, 8000])
+    p.add_argument("--windows", type=int, nargs="+", default=[0, 256],
+                   help="the drafter's context windows (0: the whole context)")
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--yarn", type=float, default=4.0, help="the YaRN factor of the scaled copy")
+    p.add_argument("--passes", type=int, default=1)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/bench_context")
+
+
+def context(a):
+    """Acceptance against prompt length: greedy DDTree at --budget over --prompts windows of held-out code of each
+    length, the drafter seeing the whole context or only its last W tokens (--windows), beside plain decoding
+    (every run must give its tokens); and the prefill's tokens/s at each length (an AR engine's start, timed alone:
+    the median over the prompts of each one's fastest of three).
+    Two versions of the pair: as the checkpoints are (lengths whose request fits their max_position_embeddings),
+    and a copy whose configs add YaRN (--yarn times the checkpoint's window as original_max_position_embeddings,
+    the edit long-context instructions ask for), at every length. A table, a JSON file and a plot.
+
+        python scripts/bench.py context [--lengths 512 1024 1920 4096 8000] [--windows 0 256] [--budget 16]
+    """
+    torch.set_num_threads(a.threads)
+    os.makedirs(a.out, exist_ok=True)
+    check_int("--budget", a.budget, 1)
+    if min(a.lengths) < 1 or min(a.windows) < 0 or a.yarn <= 1 or a.prompts < 1 or a.new_tokens < 1:
+        raise ValueError("--lengths and --prompts must be positive, --windows at least 0, --yarn above 1")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for version, (target_path, draft_path) in [("as is", (a.target, a.draft)),
+                                                   (f"yarn x{a.yarn:g}", yarn_copies(a.target, a.draft, a.yarn,
+                                                                                     tmp))]:
+            target = Qwen3.from_pretrained(target_path, device="cpu", dtype=torch.float32)
+            drafter = DFlashDrafter.from_pretrained(draft_path, device="cpu", dtype=torch.float32).bind(target)
+            text = Text(target.path)
+            for length in a.lengths:
+                limit = position_limit(target.config)[0]
+                if length + a.new_tokens + a.budget + 1 > limit:
+                    print(f"{version}, {length} tokens: past the target's {limit} positions, not run")
+                    continue
+                rows.append(context_row(target, drafter, text, version, length, a))
+                print(context_line(rows[-1], a.windows), flush=True)
+    write_json(os.path.join(a.out, "bench_context.json"), dict(args=vars(a), machine=cpu_name(), rows=rows))
+    context_plot(rows, a.windows, os.path.join(a.out, "tau_vs_length.png"))
+    print(f"wrote {a.out}/bench_context.json, tau_vs_length.png")
+
+
+def yarn_copies(target: str, draft: str, factor: float, root: str) -> tuple:
+    """Copies of the pair's folders (files linked) whose configs add YaRN over the target's window."""
+    out = []
+    for name, path in (("target", target), ("draft", draft)):
+        here = os.path.join(root, name)
+        os.makedirs(here)
+        for f in os.listdir(path):
+            if f != "config.json":
+                os.symlink(os.path.abspath(os.path.join(path, f)), os.path.join(here, f))
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        if name == "target":
+            window = config["max_position_embeddings"]
+        config["rope_scaling"] = dict(rope_type="yarn", factor=factor, original_max_position_embeddings=window)
+        with open(os.path.join(here, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        out.append(here)
+    return tuple(out)
+
+
+def context_row(target, drafter, text, version, length, a) -> dict:
+    """One version and length: tau per drafter window and the prompts whose tokens equal plain decoding's; the
+    prefill's tokens/s (the median over the prompts)."""
+    prompts = long_windows(text, a.prompts, length, a.seed + length)
+    configs = {"ar": (target, None, "ar", None, 1)}
+    for w in a.windows:
+        configs[f"W{w}"] = (target, drafter, "ddtree", a.budget, 1, w or None)
+    runs = interleaved_runs(configs, prompts, a.new_tokens, False, a.passes)
+    spec = Speculation()
+    engine = Engine(target, None, "ar", Sampling(), spec, cache_length(length, 1, "ar", spec, None), False)
+    engine.start([prompts[0][:64]], [0])  # first-call costs stay out of the timing
+    seconds = []
+    for prompt in prompts:  # a prompt's fastest of three starts: a busy machine only ever slows one down
+        seconds.append(min(timed(lambda: engine.start([prompt], [0])) for _ in range(3)))
+    return dict(version=version, length=length, prefill_tokens_per_s=length / statistics.median(seconds),
+                ar_tokens_per_s=runs["ar"]["tokens_per_s"],
+                windows={w: dict(tau=runs[f"W{w}"]["tau"], same_tokens=runs[f"W{w}"]["same_tokens"],
+                                 tokens_per_s=runs[f"W{w}"]["tokens_per_s"]) for w in a.windows},
+                prompts=len(prompts))
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def context_line(row, windows) -> str:
+    taus = ", ".join(f"{'whole context' if w == 0 else f'window {w}'} tau {row['windows'][w]['tau']:.2f} "
+                     f"({row['windows'][w]['same_tokens']}/{row['prompts']} equal to ar)" for w in windows)
+    return (f"{row['version']}, {row['length']} tokens: {taus}; prefill {row['prefill_tokens_per_s']:,.0f} "
+            f"tokens/s")
+
+
+def context_plot(rows, windows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for version in dict.fromkeys(r["version"] for r in rows):
+        mine = [r for r in rows if r["version"] == version]
+        for w in windows:
+            ax.plot([r["length"] for r in mine], [r["windows"][w]["tau"] for r in mine], marker="o",
+                    label=f"{version}, {'whole context' if w == 0 else f'drafter window {w}'}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("tau (tokens per round)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 # -------------------------------------------------------------------------------------------------- official
@@ -918,6 +1046,6 @@ def calibrate(a):
     print(f"stored in {cache_file()}")
 
 
-COMMANDS = {"pair": (pair_options, pair), "official": (official_options, official), "moe": (moe_options, moe),
+COMMANDS = {"pair": (pair_options, pair), "context": (context_options, context), "official": (official_options, official), "moe": (moe_options, moe),
             "hybrid": (hybrid_options, hybrid), "memory": (memory_options, memory),
             "calibrate": (calibrate_options, calibrate)}

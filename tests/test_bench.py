@@ -30,8 +30,23 @@ def test_every_command_parses_its_help(command, capsys):
     (["roofline", "--size", "1024"], "--size takes HxL, such as 1024x8, not '1024'"),
     (["crossover", "--sizes", "bundled", "big"], "--sizes takes HxL, such as 1024x8, not 'big'"),
     (["kernels", "--layers", "3"], "--layers must be at least 4"),
+    (["context", "--windows", "-1"], "--windows at least 0"),
     (["official"], "the following arguments are required: --official"),
     (["official", "--official", "/nonexistent"], "--official /nonexistent is not a checkout"),
 ])
 def test_bad_options_are_one_error_line(args, message, capsys):
     assert_one_error_line(bench.main(args), capsys.readouterr().err, message)
+
+
+def test_context_runs_past_the_checkpoints_window_only_scaled_and_every_run_equals_plain_decoding(tmp_path):
+    """bench.py context at a toy size: a length within the bundled pair's 2048 positions runs on the pair as it is
+    and on its YaRN copy, one past them on the copy alone; every drafter window gives plain decoding's tokens."""
+    import json
+    assert bench.main(["context", "--lengths", "64", "2040", "--windows", "0", "16", "--prompts", "1",
+                       "--new-tokens", "6", "--budget", "4", "--threads", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_context.json").read_text())["rows"]
+    assert [(r["version"], r["length"]) for r in rows] == [("as is", 64), ("yarn x4", 64), ("yarn x4", 2040)]
+    for r in rows:
+        assert set(r["windows"]) == {"0", "16"} and r["prefill_tokens_per_s"] > 0
+        assert all(w["same_tokens"] == 1 and w["tau"] >= 1 for w in r["windows"].values())
+    assert (tmp_path / "tau_vs_length.png").exists()
