@@ -23,6 +23,7 @@ from model import Qwen3
 from sampler import Sampling
 from settings import AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, check_applies, check_int, check_sampling, grouped
 from text import Streamer, Text
+import tp
 
 
 def parse_args(argv):
@@ -320,6 +321,7 @@ def parse_request(line: str, number: int, where: str) -> Request:
 
 
 def main(argv=None) -> int:
+    tp.quiet_other_ranks()  # under torchrun, rank 0 alone prints
     handlers = catch_stop_signals()
     try:
         with warnings.catch_warnings():

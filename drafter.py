@@ -29,6 +29,7 @@ from draft_tree import Lattice
 from gated_delta import compute_dtype
 from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, rope_cos_sin,
                    rope_frequencies, run_layer)
+import tp
 
 
 @dataclass
@@ -278,7 +279,7 @@ class DFlashDrafter(nn.Module):
         path = resolve_checkpoint(path_or_repo, "drafter")
         where = os.path.join(path, "config.json")
         config = DFlashConfig.from_dict(read_json(where), where)
-        device = parse_device(device)
+        device = tp.setup(parse_device(device))  # under torchrun: this rank's GPU (the drafter is replicated)
         dtype = parse_dtype(dtype, device)
         with torch.device("meta"):
             drafter = cls(config)

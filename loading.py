@@ -459,7 +459,7 @@ def checkpoint_tensors(model: nn.Module) -> dict:
 
 
 def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device, dtype, optional=frozenset(),
-                 skip_prefixes: tuple = ()):
+                 skip_prefixes: tuple = (), take=None):
     """Stream every tensor from the safetensors files straight into `dtype` on `device`.
 
     The model was built on the meta device, so the only host copies are one tensor at a time: an 8B bf16
@@ -471,6 +471,8 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
     the first that some tensor name starts with (a file of one layout holding tensors under another's prefix has
     unexpected tensors, as transformers finds them); `lm_head.weight` is read unprefixed only. optional: names
     read when present and not required; tensors whose file name starts with one of skip_prefixes are not read.
+    take(name, stored): what to read of the tensor `name` (prefix stripped) from its safetensors slice (a rank's
+    shard under tensor parallel, tp.take); None reads every tensor whole.
     """
     files = safetensors_files(path)
     prefix = layout_prefix(files, (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix),
@@ -482,10 +484,13 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
     wanted.update((name, b) for name, b in model.named_buffers() if name != "inv_freq")
     params = dict(model.named_parameters())
     loaded, experts_read, parts_read = {}, {}, set()
+    def stripped(key):
+        return key[len(prefix):] if prefix and key.startswith(prefix) and key != prefix + "lm_head.weight" else key
+
+    read = None if take is None else (lambda key, stored: take(stripped(key), stored))
     for file in files:
-        for key, t in read_tensors(file, skip_prefixes):
-            name = key[len(prefix):] if prefix and key.startswith(prefix) and key != prefix + "lm_head.weight" \
-                else key
+        for key, t in read_tensors(file, skip_prefixes, read):
+            name = stripped(key)
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name in parts:  # rows [start, stop) of a stacked weight
@@ -564,16 +569,16 @@ EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj
 FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
 
 
-def read_tensors(file: str, skip_prefixes: tuple = ()):
+def read_tensors(file: str, skip_prefixes: tuple = (), take=None):
     """(name, tensor) pairs of one safetensors file, one tensor at a time, leaving unread the tensors whose names
     start with one of skip_prefixes; a file that is not valid safetensors (truncated, empty, a corrupt header) is
-    an error naming it."""
+    an error naming it. take(name, stored): the part to read of each tensor from its slice (whole when None)."""
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
                 if skip_prefixes and key.startswith(skip_prefixes):
                     continue
-                yield key, f.get_tensor(key)
+                yield key, (f.get_tensor(key) if take is None else take(key, f.get_slice(key)))
     except (SafetensorError, OSError, RuntimeError) as e:
         raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
 

@@ -12,6 +12,7 @@ saying which rows of the forward are a chain or a tree. The config, then the mod
 loading.py.
 """
 
+import functools
 import math
 import os
 import warnings
@@ -27,6 +28,7 @@ from gated_delta import GatedDeltaNet, Recurrent, ZeroCenteredRMSNorm, commit_tr
 from loading import (check_qwen3_config, checkpoint_prefixes, config_fields, defaulted_note, eos_ids_of,
                      load_weights, parse_device, parse_dtype, read_json, resolve_checkpoint, text_config)
 from moe import SparseMoE
+import tp
 from tree_attn import flex_kernel_options, prefix_block_mask
 
 
@@ -466,8 +468,10 @@ def tie_or_keep_head(model, path: str):
     differs from it: transformers then uses the stored head, and so do we, with a warning (a stored head equal to
     the embeddings is tied: one copy)."""
     head, embed = model.lm_head.weight, model.embed_tokens.weight
-    if head is embed or head.is_meta or torch.equal(head, embed):
-        model.lm_head.weight = embed
+    rows = getattr(model.lm_head, "vocab_rows", None)  # tensor parallel: this rank's rows of the vocabulary
+    own = embed if rows is None else nn.Parameter(embed[rows[0]:rows[1]], requires_grad=embed.requires_grad)
+    if head is embed or head.is_meta or torch.equal(head, own):
+        model.lm_head.weight = own  # (a view of the embedding's rows under tensor parallel: no copy)
         return
     warnings.warn(f"{path}: config.json ties the lm_head to the embeddings (tie_word_embeddings: true), but the file "
                   f"stores an lm_head.weight that differs from them: the stored lm_head is used, as transformers "
@@ -586,14 +590,16 @@ class Qwen3(nn.Module):
         check_qwen3_config(raw, where)
         config = Qwen3Config.from_dict(raw, where)
         strip, skip_prefixes = checkpoint_prefixes(raw)
-        device = parse_device(device)
+        device = tp.setup(parse_device(device))
         dtype = parse_dtype(dtype, device)
         with torch.device("meta"):
             model = cls(config)
+        # launched by torchrun: this rank's shard, read as slices (tp.py)
+        take = functools.partial(tp.take, tp.shard(model)) if tp.enabled() else None
         optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
         try:
             load_weights(model, path, strip_prefix=strip, device=device, dtype=dtype, optional=optional,
-                         skip_prefixes=skip_prefixes)
+                         skip_prefixes=skip_prefixes, take=take)
         except ValueError as e:
             if config.defaulted and "has shape" in str(e):
                 raise ValueError(f"{e} ({defaulted_note(config.defaulted)})") from None
