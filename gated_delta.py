@@ -135,8 +135,9 @@ def to_value_heads(x: torch.Tensor, heads: int, dim: int = 2) -> torch.Tensor:
     r = heads // x.shape[dim]
     if r == 1:
         return x
-    # expand + flatten is repeat_interleave's result without its index search (slow on the CPU)
-    return x.unsqueeze(dim + 1).expand(*x.shape[:dim + 1], r, *x.shape[dim + 1:]).flatten(dim, dim + 1)
+    # expand + flatten is repeat_interleave's result without its index search (slow on the CPU); with one key head
+    # the flatten is a view whose repeats share memory (stride 0), which the rules' in-place products refuse: a copy
+    return x.unsqueeze(dim + 1).expand(*x.shape[:dim + 1], r, *x.shape[dim + 1:]).flatten(dim, dim + 1).contiguous()
 
 
 def recurrent_gated_delta(q, k, v, g, beta, state):

@@ -1,0 +1,170 @@
+"""Tensor parallel (tp.py) on the CPU: two gloo ranks launched by torchrun (tests/tp_ranks.py, one launch for the
+module) against one rank in this process, float64, tiny random checkpoints of the three target kinds: dense Qwen3
+(one KV head for two ranks: replicated; a vocabulary of 17: an uneven split; tied embeddings), Qwen3-MoE (per-expert
+tensors) and a Qwen3.5-MoE hybrid in the hub's layout (Gated DeltaNet, gated attention, a shared expert).
+
+- greedy ddtree gives one rank's tokens on every target, and both ranks agree;
+- a sampled run gives the same samples for the same seed;
+- each rank holds its shard only: the sharded tensors at half their rows or columns, the rest whole;
+- one all-reduce per sublayer (2 per layer per target forward) and one all-gather of the logits per forward;
+- the command line under torchrun (the bundled pair) prints on rank 0 alone, and sizes that do not split are one
+  `error:` line.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, assert_one_error_line, write_drafter
+from ddtree import generate
+from drafter import DFlashDrafter
+from model import Qwen3
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+from checkpoints import (dflash_config, hybrid_text_config, moe_config, qwen3_config,  # noqa: E402
+                         random_dflash_weights, random_hybrid_model, random_qwen3_weights, save_checkpoint,
+                         save_hybrid)
+
+RANKS = 2
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def write_dense(path, heads=4):
+    tc = qwen3_config(17, hidden=64, inter=96, layers=2, heads=heads, kv_heads=1, head_dim=16, tie=True,
+                      eos=(1, 0))
+    save_checkpoint(os.path.join(path, "target"), tc, random_qwen3_weights(tc, seed=1, std=0.35), eos_ids=[1])
+    write_drafter(os.path.join(path, "draft"), tc, layers=1, block_size=5)
+
+
+def write_moe(path):
+    tc = moe_config(qwen3_config(16, hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, eos=(1, 0)),
+                    experts=4, top_k=2, inter=32)
+    save_checkpoint(os.path.join(path, "target"), tc, random_qwen3_weights(tc, seed=2, std=0.35), eos_ids=[1])
+    write_drafter(os.path.join(path, "draft"), tc, layers=1, block_size=5)
+
+
+def write_hybrid(path):
+    hf = random_hybrid_model(hybrid_text_config(moe=True, vocab_size=16, full_attention_interval=2), moe=True,
+                             seed=2, std=0.35)
+    save_hybrid(hf, os.path.join(path, "target"), layout="conditional_generation")
+    tc = json.load(open(os.path.join(path, "target", "config.json")))["text_config"]
+    dc = dflash_config({**tc, "rope_theta": 10000.0, "intermediate_size": 48}, layers=1, block_size=5,
+                       target_layer_ids=[0, 1, 3])
+    save_checkpoint(os.path.join(path, "draft"), dc, random_dflash_weights(dc, seed=3, std=0.05))
+
+
+def cases(paths: dict) -> dict:
+    runs = [dict(kind=kind, method="ddtree", budget=8) for kind in ("dense", "moe", "hybrid")]
+    runs += [dict(kind=kind, method="ddtree", budget=8, temperature=1.0, seed=11) for kind in ("dense", "hybrid")]
+    for run in runs:
+        run.update(target=paths[run["kind"]] + "/target", draft=paths[run["kind"]] + "/draft", prompt=PROMPT,
+                   max_new_tokens=16)
+    bad = paths["bad"] + "/target"
+    return dict(runs=runs, cli=[["--prompt", "hello", "--no-chat", "--json", "--budget", "4", "--max-new-tokens", "6"],
+                                ["--prompt", "hello", "--target", bad, "--method", "ar", "--no-chat"]])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(the cases, what rank 0 and rank 1 saw)."""
+    root = tmp_path_factory.mktemp("tp")
+    paths = {kind: str(root / kind) for kind in ("dense", "moe", "hybrid", "bad")}
+    write_dense(paths["dense"])
+    write_moe(paths["moe"])
+    write_hybrid(paths["hybrid"])
+    write_dense(paths["bad"], heads=3)
+    spec = cases(paths)
+    json.dump(spec, open(root / "cases.json", "w"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={RANKS}", os.path.join(REPO_ROOT, "tests", "tp_ranks.py"),
+                           str(root / "cases.json"), str(root / "out")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = [json.load(open(root / f"out.rank{r}.json")) for r in range(RANKS)]
+    return spec, seen
+
+
+@functools.cache
+def one_rank_models(target: str, draft: str):
+    return (Qwen3.from_pretrained(target, device="cpu", dtype=torch.float64),
+            DFlashDrafter.from_pretrained(draft, device="cpu", dtype=torch.float64))
+
+
+def one_rank(run) -> list[int]:
+    target, drafter = one_rank_models(run["target"], run["draft"])
+    return generate(target, drafter, run["prompt"], method=run["method"], budget=run["budget"],
+                    max_new_tokens=run["max_new_tokens"], temperature=run.get("temperature", 0.0),
+                    seed=run.get("seed"), stop_ids=[]).tokens
+
+
+def test_two_ranks_give_one_ranks_tokens_greedy_and_sampled(runs):
+    spec, seen = runs
+    for i, run in enumerate(spec["runs"]):
+        tokens = [rank["cases"][i]["tokens"] for rank in seen]
+        assert tokens[0] == tokens[1], (run["kind"], tokens)
+        assert tokens[0] == one_rank(run), run
+        assert len(tokens[0]) == run["max_new_tokens"]
+
+
+# The parameters that tp.py splits across the ranks (by name ending).
+SPLIT = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "experts.gate_proj",
+         "experts.up_proj", "experts.down_proj", "in_proj.weight", "conv1d.weight", "dt_bias", "A_log",
+         "out_proj.weight", "lm_head.weight")
+
+
+def test_each_rank_holds_only_its_shard(runs):
+    """Every parameter of a rank is either the whole tensor (norms, embedding, routers) or its rank's part along the
+    one dimension tp.py splits, the ranks' parts adding up to the whole (the dense target's stacked q/k/v: half the
+    query heads and its one KV head whole); on each target the parts are most of the bytes."""
+    spec, seen = runs
+    for run in spec["runs"][:3]:
+        whole = {n: list(p.shape) for n, p in one_rank_models(run["target"], run["draft"])[0]
+                 .named_parameters(remove_duplicate=False)}
+        shapes = [rank["shapes"][run["target"]] for rank in seen]
+        for n, full in whole.items():
+            parts = [s[n] for s in shapes]
+            if not n.endswith(SPLIT):
+                assert all(p == full for p in parts), (n, parts, full)
+                continue
+            dims = {d for p in parts for d, (a, b) in enumerate(zip(p, full)) if a != b}
+            assert len(dims) == 1, (n, parts, full)
+            d = dims.pop()
+            if run["kind"] == "dense" and n.endswith("qkv_proj.weight"):  # 4 heads of 16 over 2 ranks, 1 KV head
+                assert all(p[d] == 4 * 16 // RANKS + 2 * 16 for p in parts), (n, parts)
+            else:
+                assert sum(p[d] for p in parts) == full[d], (n, parts, full)
+        full_bytes = sum(torch.Size(s).numel() for n, s in whole.items() if n != "lm_head.weight" or
+                         run["kind"] != "dense") * 8  # (the dense target's lm_head is its embedding)
+        for rank in seen:
+            assert rank["bytes"][run["target"]] < 0.6 * full_bytes, (run["kind"], rank["bytes"], full_bytes)
+
+
+def test_one_all_reduce_per_sublayer_and_one_gather_per_forward(runs):
+    """A ddtree run is one prefill forward (the prompt fits one chunk) and per round a drafter forward (logits
+    through the target's lm_head: one all-gather) and a verify forward (2 all-reduces per layer, one all-gather)."""
+    spec, seen = runs
+    for i, run in enumerate(spec["runs"]):
+        config = json.load(open(run["target"] + "/config.json"))
+        layers = config.get("text_config", config)["num_hidden_layers"]
+        for rank in seen:
+            case = rank["cases"][i]
+            forwards = 1 + case["rounds"]
+            assert case["collectives"]["all_reduce"] == 2 * layers * forwards, (run["kind"], case)
+            assert case["collectives"]["all_gather_into_tensor"] == forwards + case["rounds"], (run["kind"], case)
+
+
+def test_command_line_under_torchrun(runs):
+    spec, seen = runs
+    good, bad = seen[0]["cli"]
+    assert good["code"] == 0, good["stderr"]
+    assert len(json.loads(good["stdout"])["tokens"]) == 6
+    assert_one_error_line(bad["code"], bad["stderr"], "num_attention_heads (3) does not split over 2 ranks")
+    for other in seen[1]["cli"]:
+        assert other["stdout"] == other["stderr"] == ""
+    assert seen[1]["cli"][0]["code"] == 0 and seen[1]["cli"][1]["code"] == 2

@@ -1,0 +1,74 @@
+"""One rank of tests/test_tp.py, launched by torchrun: runs the cases of a JSON file through the public API (the
+models sharded by the environment torchrun sets, as any script's would be) and writes what it saw to
+OUT.rank{RANK}.json: each case's tokens and the collectives it ran, the target's parameter shapes and bytes, and the
+command line's output and exit status (rank 0 alone prints).
+
+    torchrun --standalone --nproc-per-node 2 tests/tp_ranks.py CASES.json OUT
+"""
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cli  # noqa: E402
+import tp  # noqa: E402
+from ddtree import generate  # noqa: E402
+from drafter import DFlashDrafter  # noqa: E402
+from model import Qwen3  # noqa: E402
+
+
+class Collectives(TorchDispatchMode):
+    """Counts the functional collectives (torch.ops._c10d_functional) that run while active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            name = func.overloadpacket.__name__
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of the model's distinct parameter storages (a tied lm_head's view of the embedding counts once)."""
+    seen = {}
+    for p in model.parameters():
+        seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def main(cases_file: str, out: str):
+    cases = json.load(open(cases_file))
+    loaded, record = {}, {"cases": [], "shapes": {}, "bytes": {}}
+    for case in cases["runs"]:
+        if case["target"] not in loaded:
+            target = Qwen3.from_pretrained(case["target"], device="cpu", dtype=torch.float64)
+            drafter = DFlashDrafter.from_pretrained(case["draft"], device="cpu", dtype=torch.float64)
+            loaded[case["target"]] = target, drafter
+            record["shapes"][case["target"]] = {n: list(p.shape) for n, p in target.named_parameters()}
+            record["bytes"][case["target"]] = parameter_bytes(target)
+        target, drafter = loaded[case["target"]]
+        with Collectives() as seen:
+            res = generate(target, drafter, case["prompt"], method=case["method"], budget=case.get("budget"),
+                           max_new_tokens=case["max_new_tokens"], temperature=case.get("temperature", 0.0),
+                           seed=case.get("seed"), stop_ids=[])
+        record["cases"].append(dict(tokens=res.tokens, rounds=res.stats["rounds"], collectives=seen.counts))
+    for argv in cases["cli"]:
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = cli.main(argv)
+        record.setdefault("cli", []).append(dict(code=code, stdout=stdout.getvalue(), stderr=stderr.getvalue()))
+    with open(f"{out}.rank{tp.rank()}.json", "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
