@@ -31,6 +31,7 @@ from checkpoints import (dflash_config, hybrid_text_config, moe_config, qwen3_co
                          save_hybrid)
 
 RANKS = 2
+RANKS_TIMEOUT = 120  # seconds; the launch takes about 10
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
@@ -81,11 +82,19 @@ def runs(tmp_path_factory):
     spec = cases(paths)
     json.dump(spec, open(root / "cases.json", "w"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={RANKS}", os.path.join(REPO_ROOT, "tests", "tp_ranks.py"),
-                           str(root / "cases.json"), str(root / "out")], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={RANKS}", os.path.join(REPO_ROOT, "tests", "tp_ranks.py"),
+                              str(root / "cases.json"), str(root / "out")], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = ranks.communicate(timeout=RANKS_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        # Ranks that disagree wait on each other's collectives. torchrun stops its ranks (which run in sessions of
+        # their own) when it is terminated, not when it is killed.
+        ranks.terminate()
+        ranks.communicate(timeout=60)
+        pytest.fail(f"the ranks did not finish in {RANKS_TIMEOUT} s (waiting on each other's collectives?)")
+    assert ranks.returncode == 0, err[-4000:]
     seen = [json.load(open(root / f"out.rank{r}.json")) for r in range(RANKS)]
     return spec, seen
 
