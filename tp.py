@@ -267,4 +267,6 @@ def take(plan: Plan, name: str, stored) -> torch.Tensor:
                          f"{dim}")
     index = (slice(None),) * dim
     parts = [stored[index + (slice(a, b),)] for a, b in ranges]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    # safetensors may give a slice as a view of the whole tensor (mapped from the file, only the slice's bytes
+    # touched): copied, the shard alone stays in memory.
+    return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim)

@@ -152,6 +152,7 @@ def test_each_rank_holds_only_its_shard(runs):
                          run["kind"] != "dense") * 8  # (the dense target's lm_head is its embedding)
         for rank in seen:
             assert rank["bytes"][run["target"]] < 0.6 * full_bytes, (run["kind"], rank["bytes"], full_bytes)
+            assert rank["oversized"][run["target"]] == [], (run["kind"], rank["oversized"][run["target"]])
 
 
 def test_one_all_reduce_per_sublayer_and_one_gather_per_forward(runs):

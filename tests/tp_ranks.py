@@ -1,7 +1,8 @@
 """One rank of tests/test_tp.py, launched by torchrun: runs the cases of a JSON file through the public API (the
 models sharded by the environment torchrun sets, as any script's would be) and writes what it saw to
-OUT.rank{RANK}.json: each case's tokens and the collectives it ran, the target's parameter shapes and bytes, and the
-command line's output and exit status (rank 0 alone prints).
+OUT.rank{RANK}.json: each case's tokens and the collectives it ran, the target's parameter shapes and bytes (and
+any parameter whose storage is larger than itself), and the command line's output and exit status (rank 0 alone
+prints).
 
     torchrun --standalone --nproc-per-node 2 tests/tp_ranks.py CASES.json OUT
 """
@@ -45,6 +46,14 @@ def parameter_bytes(model) -> int:
     return sum(seen.values())
 
 
+def oversized(model) -> list[str]:
+    """The parameters whose storage holds more than their own elements (a shard that kept the whole tensor it was
+    cut from alive), but for a tied lm_head, a view of the embedding's rows by design."""
+    tied = model.lm_head.weight.untyped_storage().data_ptr() == model.embed_tokens.weight.untyped_storage().data_ptr()
+    return [n for n, p in model.named_parameters() if p.untyped_storage().nbytes() > p.numel() * p.element_size()
+            and not (tied and n == "lm_head.weight")]
+
+
 def main(cases_file: str, out: str):
     cases = json.load(open(cases_file))
     loaded, record = {}, {"cases": [], "shapes": {}, "bytes": {}}
@@ -55,6 +64,8 @@ def main(cases_file: str, out: str):
             loaded[case["target"]] = target, drafter
             record["shapes"][case["target"]] = {n: list(p.shape) for n, p in target.named_parameters()}
             record["bytes"][case["target"]] = parameter_bytes(target)
+            # in the file's dtype (float32), where the loader's cast copies nothing
+            record.setdefault("oversized", {})[case["target"]] = oversized(Qwen3.from_pretrained(case["target"]))
         target, drafter = loaded[case["target"]]
         with Collectives() as seen:
             res = generate(target, drafter, case["prompt"], method=case["method"], budget=case.get("budget"),
