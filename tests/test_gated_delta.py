@@ -287,12 +287,13 @@ def test_series_solve_needs_the_whole_depth(monkeypatch):
     assert (short - want).abs().max() > 0.1
 
 
-def test_rules_form_q_dot_k_once_per_key_head():
+@pytest.mark.parametrize("Hk", [2, 1])
+def test_rules_form_q_dot_k_once_per_key_head(Hk):
     """q and k at their Hk key heads (each serving Hv / Hk value heads) give every rule, and the commit, exactly
     what the same q and k repeated to Hv heads give: the R x R dot products are formed once per key head and
-    shared, not recomputed per value head."""
+    shared, not recomputed per value head. One key head is a tensor-parallel rank's lot (docs/tp.md)."""
     gen = torch.Generator().manual_seed(3)
-    N, B, Hk, Hv, Dk, Dv = 2, 9, 2, 6, 4, 3
+    N, B, Hv, Dk, Dv = 2, 9, 6, 4, 3
     parents = random_parents(gen, N, B, pad=2)
     anc = draft_tree.ancestor_matrix(parents)
     q, k, v, g, beta, state, *_ = make_inputs(N, B + 1, Hv, Dk, Dv, 3, seed=4)
