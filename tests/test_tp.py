@@ -8,7 +8,7 @@ tensors) and a Qwen3.5-MoE hybrid in the hub's layout (Gated DeltaNet, gated att
 - each rank holds its shard only: the sharded tensors at half their rows or columns, the rest whole;
 - one all-reduce per sublayer (2 per layer per target forward) and one all-gather of the logits per forward;
 - the command line under torchrun (the bundled pair) prints on rank 0 alone, and sizes that do not split are one
-  `error:` line.
+  `error:` line; budget auto is refused.
 """
 
 import functools
@@ -178,3 +178,9 @@ def test_command_line_under_torchrun(runs):
     for other in seen[1]["cli"]:
         assert other["stdout"] == other["stderr"] == ""
     assert seen[1]["cli"][0]["code"] == 0 and seen[1]["cli"][1]["code"] == 2
+
+
+def test_budget_auto_is_refused(runs):
+    """Each rank would time its own rounds and might choose another budget than the others."""
+    for rank in runs[1]:
+        assert "budget auto is not supported under tensor parallel" in rank["budget_auto"]

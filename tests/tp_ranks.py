@@ -1,8 +1,8 @@
 """One rank of tests/test_tp.py, launched by torchrun: runs the cases of a JSON file through the public API (the
 models sharded by the environment torchrun sets, as any script's would be) and writes what it saw to
 OUT.rank{RANK}.json: each case's tokens and the collectives it ran, the target's parameter shapes and bytes (and
-any parameter whose storage is larger than itself), and the command line's output and exit status (rank 0 alone
-prints).
+any parameter whose storage is larger than itself), the error of budget auto, and the command line's output and
+exit status (rank 0 alone prints).
 
     torchrun --standalone --nproc-per-node 2 tests/tp_ranks.py CASES.json OUT
 """
@@ -72,6 +72,11 @@ def main(cases_file: str, out: str):
                            max_new_tokens=case["max_new_tokens"], temperature=case.get("temperature", 0.0),
                            seed=case.get("seed"), stop_ids=[])
         record["cases"].append(dict(tokens=res.tokens, rounds=res.stats["rounds"], collectives=seen.counts))
+    target, drafter = loaded[cases["runs"][0]["target"]]
+    try:
+        generate(target, drafter, [1, 2], budget="auto", max_new_tokens=2)
+    except ValueError as e:
+        record["budget_auto"] = str(e)
     for argv in cases["cli"]:
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
