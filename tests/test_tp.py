@@ -8,7 +8,7 @@ tensors) and a Qwen3.5-MoE hybrid in the hub's layout (Gated DeltaNet, gated att
 - each rank holds its shard only: the sharded tensors at half their rows or columns, the rest whole;
 - one all-reduce per sublayer (2 per layer per target forward) and one all-gather of the logits per forward;
 - the command line under torchrun (the bundled pair) prints on rank 0 alone, and sizes that do not split are one
-  `error:` line; budget auto is refused.
+  `error:` line, as is a tensor whose shape config.json contradicts; budget auto is refused.
 """
 
 import functools
@@ -59,6 +59,17 @@ def write_hybrid(path):
     save_checkpoint(os.path.join(path, "draft"), dc, random_dflash_weights(dc, seed=3, std=0.05))
 
 
+def write_misshapen(path):
+    """The dense pair with one more head's rows in layer 0's q_proj than config.json says."""
+    from safetensors.torch import load_file, save_file
+    write_dense(path)
+    file = os.path.join(path, "target", "model.safetensors")
+    w = load_file(file)
+    q = w["model.layers.0.self_attn.q_proj.weight"]
+    w["model.layers.0.self_attn.q_proj.weight"] = torch.cat([q, q[:16]])
+    save_file(w, file, metadata={"format": "pt"})
+
+
 def cases(paths: dict) -> dict:
     runs = [dict(kind=kind, method="ddtree", budget=8) for kind in ("dense", "moe", "hybrid")]
     runs += [dict(kind=kind, method="ddtree", budget=8, temperature=1.0, seed=11) for kind in ("dense", "hybrid")]
@@ -67,18 +78,21 @@ def cases(paths: dict) -> dict:
                    max_new_tokens=16)
     bad = paths["bad"] + "/target"
     return dict(runs=runs, cli=[["--prompt", "hello", "--no-chat", "--json", "--budget", "4", "--max-new-tokens", "6"],
-                                ["--prompt", "hello", "--target", bad, "--method", "ar", "--no-chat"]])
+                                ["--prompt", "hello", "--target", bad, "--method", "ar", "--no-chat"],
+                                ["--prompt", "hello", "--target", paths["misshapen"] + "/target", "--method", "ar",
+                                 "--no-chat"]])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(the cases, what rank 0 and rank 1 saw)."""
     root = tmp_path_factory.mktemp("tp")
-    paths = {kind: str(root / kind) for kind in ("dense", "moe", "hybrid", "bad")}
+    paths = {kind: str(root / kind) for kind in ("dense", "moe", "hybrid", "bad", "misshapen")}
     write_dense(paths["dense"])
     write_moe(paths["moe"])
     write_hybrid(paths["hybrid"])
     write_dense(paths["bad"], heads=3)
+    write_misshapen(paths["misshapen"])
     spec = cases(paths)
     json.dump(spec, open(root / "cases.json", "w"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -171,13 +185,16 @@ def test_one_all_reduce_per_sublayer_and_one_gather_per_forward(runs):
 
 def test_command_line_under_torchrun(runs):
     spec, seen = runs
-    good, bad = seen[0]["cli"]
+    good, bad, misshapen = seen[0]["cli"]
     assert good["code"] == 0, good["stderr"]
     assert len(json.loads(good["stdout"])["tokens"]) == 6
     assert_one_error_line(bad["code"], bad["stderr"], "num_attention_heads (3) does not split over 2 ranks")
+    # a rank reads a slice: the whole tensor's shape is still checked against config.json
+    assert_one_error_line(misshapen["code"], misshapen["stderr"], "tensor 'layers.0.self_attn.q_proj.weight' has "
+                                                                  "shape (80, 64), config.json implies 64")
     for other in seen[1]["cli"]:
         assert other["stdout"] == other["stderr"] == ""
-    assert seen[1]["cli"][0]["code"] == 0 and seen[1]["cli"][1]["code"] == 2
+    assert [other["code"] for other in seen[1]["cli"]] == [0, 2, 2]
 
 
 def test_budget_auto_is_refused(runs):
