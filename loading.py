@@ -578,7 +578,14 @@ def read_tensors(file: str, skip_prefixes: tuple = (), take=None):
             for key in f.keys():
                 if skip_prefixes and key.startswith(skip_prefixes):
                     continue
-                yield key, (f.get_tensor(key) if take is None else take(key, f.get_slice(key)))
+                if take is None:
+                    yield key, f.get_tensor(key)
+                    continue
+                try:
+                    part = take(key, f.get_slice(key))
+                except ValueError as e:  # a shape config.json contradicts, found while slicing
+                    raise ValueError(f"{file}: {e}") from None
+                yield key, part
     except (SafetensorError, OSError, RuntimeError) as e:
         raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
 

@@ -119,7 +119,8 @@ def shard_attention(attn, prefix: str, plan: Plan):
     heads, kv, hd = attn.heads, attn.kv_heads, attn.head_dim
     n, r = world_size(), rank()
     if kv < n and n % kv:
-        raise ValueError(f"tensor parallel: {kv} KV heads neither split over {n} ranks nor share them evenly")
+        raise ValueError(f"tensor parallel: num_key_value_heads ({kv}) neither splits over {n} ranks nor divides "
+                         f"them (ranks sharing a KV head)")
     q_start, q_stop = split(heads, "num_attention_heads")
     per_head = attn.q_rows // heads  # head_dim, or 2 x head_dim with Qwen3.5's gate (each head's query, then gate)
     local = q_stop - q_start

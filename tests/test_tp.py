@@ -190,8 +190,9 @@ def test_command_line_under_torchrun(runs):
     assert len(json.loads(good["stdout"])["tokens"]) == 6
     assert_one_error_line(bad["code"], bad["stderr"], "num_attention_heads (3) does not split over 2 ranks")
     # a rank reads a slice: the whole tensor's shape is still checked against config.json
-    assert_one_error_line(misshapen["code"], misshapen["stderr"], "tensor 'layers.0.self_attn.q_proj.weight' has "
-                                                                  "shape (80, 64), config.json implies 64")
+    assert_one_error_line(misshapen["code"], misshapen["stderr"],
+                          "misshapen/target/model.safetensors: tensor 'layers.0.self_attn.q_proj.weight' has shape "
+                          "(80, 64), config.json implies 64")
     for other in seen[1]["cli"]:
         assert other["stdout"] == other["stderr"] == ""
     assert [other["code"] for other in seen[1]["cli"]] == [0, 2, 2]
