@@ -1,9 +1,9 @@
 """Many requests on one engine: the decoding loop, and a batch that shrinks as its requests end.
 
-ddtree.generate_batch runs each wave of up to max_batch requests through run_requests: prefill, then one
-Engine.step per round until every request has ended. A request that ends stops emitting while its rows keep
+ddtree.generate_batch runs its requests through `run`, in waves of up to max_batch: prefill, then one Engine.step
+per round until every request of the wave has ended. A request that ends stops emitting while its rows keep
 running (static shapes); once the running requests fit the next smaller power of two they move to an engine of
-that size (take, resume), their cache rows and recurrent states with them. Each request draws from its own
+that size (move_to_smaller), their cache rows, recurrent states and Requests with them. Each request draws from its own
 generator, so a batch gives every request its lone run's tokens (tests/test_batch.py).
 """
 
@@ -15,6 +15,37 @@ import torch
 
 NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
               "dtype)")
+
+
+@dataclass
+class Requests:
+    """What an engine knows of its requests between rounds, one entry per engine row: the next token (the target's
+    last choice, not yet in the caches), the position (= committed length), the generator (None: an ended request
+    or a padding row, which draw nothing) and liveness (1 while the request advances). Engine.start makes it,
+    Engine.adopt hands it to an engine, Engine.step advances it."""
+    token: torch.Tensor | None  # [N] long (None until the prefill's first token)
+    position: torch.Tensor  # [N] long
+    generators: list  # [N] torch.Generator or None
+    live: torch.Tensor  # [N] 0 or 1
+
+    def select(self, rows: list[int]) -> "Requests":
+        """The requests in these engine rows, in this order, as rows 0, 1, ..."""
+        index = torch.tensor(rows, device=self.position.device)
+        return Requests(self.token[index], self.position[index], [self.generators[r] for r in rows],
+                        self.live[index])
+
+    def padded(self, batch: int) -> "Requests":
+        """These requests followed by padding rows up to `batch`: ended, at position 1 (a one-token dummy prompt,
+        as Engine.start pads)."""
+        pad = batch - len(self.generators)
+        return Requests(torch.cat([self.token, self.token.new_zeros(pad)]),
+                        torch.cat([self.position, self.position.new_ones(pad)]), self.generators + [None] * pad,
+                        torch.cat([self.live, self.live.new_zeros(pad)]))
+
+    def finish(self, row: int):
+        """The request in `row` has ended: it stops advancing and drawing randomness."""
+        self.live[row] = 0
+        self.generators[row] = None
 
 
 @dataclass
@@ -35,87 +66,73 @@ class RequestsFailed(ValueError):
         super().__init__("; ".join(error if len(results) == 1 else f"prompt {i}: {error}" for i, error in failed))
 
 
-def run_waves(engine_for, prompts: list, seeds: list, stop: set, max_new_tokens: int, max_batch: int, on_tokens,
-              on_result, labels: dict) -> list[Result]:
-    """Every request to the end, in waves of up to max_batch (run_requests): engine_for(longest prompt of the wave)
-    gives the wave's engines by batch size. on_result(i, Result) gets request i's Result as soon as it ends, its
-    stats as of then (compile_seconds counts the compiling so far, budget auto's report its rounds so far) plus
-    `labels`."""
-    results = []
+def run(engine_for, prompts: list, seeds: list, stop: set, max_new_tokens: int, max_batch: int = 1,
+        on_tokens=None, on_result=None, labels: dict | None = None) -> list[Result]:
+    """Every request to the end, in waves of up to max_batch: per wave, prefill, then rounds until each of its
+    requests has ended. engine_for(longest prompt of the wave, batch size) gives the wave's engine of that batch
+    size. The rows of a request that has ended still run (static shapes), so once the running requests fit a
+    smaller power of two they move to such an engine: a batch whose requests end at different rounds no longer runs
+    every round at its starting size (budget auto keeps its batch: its candidates' costs are calibrated for one
+    batch size). A request whose draws were not sound (the engine's None for it) ends with Result.error, the others
+    go on. on_tokens(i, list[int]) streams request i's tokens; on_result(i, Result) gets request i's Result as soon
+    as it ends, its stats as of then (compile_seconds counts the compiling so far, budget auto's report its rounds so
+    far) plus `labels`."""
+    labels = labels or {}
+    auto = labels.get("budget") == "auto"
+    results = [Result(tokens=[], stats=dict(accepted=[], path_lengths=[], seed=seed)) for seed in seeds]
     for first in range(0, len(prompts), max_batch):
-        wave = range(first, min(first + max_batch, len(prompts)))
-        engines = engine_for(max(len(prompts[i]) for i in wave))
-        engine = engines(batch_bucket(len(wave), max_batch))
-        auto = labels.get("budget") == "auto"
-        emit_to = on_tokens and (lambda j, new, first=first: on_tokens(first + j, new))
+        rows = list(range(first, min(first + max_batch, len(prompts))))  # the request in each engine row
+        longest = max(len(prompts[i]) for i in rows)
+        engine = engine_for(longest, batch_bucket(len(rows), max_batch))
+        compile_seconds = engine.warm_up()
+        t0, compiling = time.perf_counter(), 0.0  # compiling: seconds since t0 spent warming up smaller engines
+        live, size = set(rows), len(rows)
 
-        def ended(j, result, first=first, engine=engine):
-            result.stats.update(labels)
-            if auto:
-                result.stats["auto"] = engine.report()
-            if on_result is not None:
-                on_result(first + j, result)
-
-        # Budget auto keeps its batch: its candidates' costs are calibrated for one batch size.
-        results += run_requests(engine, [prompts[i] for i in wave], [seeds[i] for i in wave], stop, max_new_tokens,
-                                emit_to, None if auto else engines, ended)
-    return results
-
-
-def run_requests(engine, prompts: list, seeds: list, stop: set, max_new_tokens: int,
-                 on_tokens, engine_for=None, ended=None) -> list[Result]:
-    """Run one batch of requests on `engine` to the end: prefill, then rounds until every request has ended.
-    engine_for(batch): an engine of the same settings for a smaller batch. The rows of a request that has ended
-    still run (static shapes), so once the running requests fit a smaller power of two they move to such an
-    engine: a batch whose requests end at different rounds no longer runs every round at its starting size.
-    A request whose draws were not sound (the engine's None for it) ends with Result.error, the others go on.
-    ended(i, Result): called as request i ends, its stats complete."""
-    compile_seconds = engine.warm_up()
-    t0, compiling = time.perf_counter(), 0.0  # compiling: seconds since t0 spent warming up smaller engines
-    results = [Result(tokens=[], stats=dict(accepted=[], verified=[], seed=seed)) for seed in seeds]
-    live = set(range(len(prompts)))
-    rows = list(range(len(prompts)))  # the request in each engine row
-
-    def end(i, row, error=None):
-        live.discard(i)
-        engine.finish(row)
-        r = results[i]
-        r.error = error
-        s, rounds = r.stats, len(r.stats["accepted"])
-        s.update(seconds=time.perf_counter() - t0 - compiling, new_tokens=len(r.tokens), rounds=rounds,
-                 tau=sum(s["accepted"]) / rounds if rounds else 0.0, compile_seconds=compile_seconds,
-                 batch=len(prompts))
-        s["tokens_per_s"] = len(r.tokens) / s["seconds"] if s["seconds"] > 0 else 0.0
-        if ended is not None:
-            ended(i, r)
-
-    def emit_each(new_per_row, is_round=True):
-        for row, (new, tree) in enumerate(new_per_row[:len(rows)]):
-            i = rows[row]
-            if i not in live:
-                continue
-            if new is None:  # its logits or draws were not sound: it ends here, and the others go on
-                end(i, row, NON_FINITE)
-                continue
+        def end(i, row, error=None):
+            live.discard(i)
+            engine.finish(row)
             r = results[i]
-            before = len(r.tokens)
-            done = emit(r.tokens, new, stop, max_new_tokens, on_tokens and (lambda kept: on_tokens(i, kept)))
-            if is_round:  # not the prefill's first token
-                r.stats["accepted"].append(len(r.tokens) - before)
-                r.stats["verified"].append(len(new))
-            if tree is not None:
-                r.trees.append(tree)
-            if done:
-                end(i, row)
+            r.error = error
+            s, rounds = r.stats, len(r.stats["accepted"])
+            s.update(seconds=time.perf_counter() - t0 - compiling, new_tokens=len(r.tokens), rounds=rounds,
+                     tau=sum(s["accepted"]) / rounds if rounds else 0.0, compile_seconds=compile_seconds,
+                     batch=size)
+            s["tokens_per_s"] = len(r.tokens) / s["seconds"] if s["seconds"] > 0 else 0.0
+            s.update(labels)
+            if auto:
+                s["auto"] = engine.report()
+            if on_result is not None:
+                on_result(i, r)
 
-    emit_each([(None if t is None else [t], None) for t in engine.start(prompts, seeds)], is_round=False)
-    while live:
-        emit_each(engine.step())
-        if engine_for is not None and live and batch_bucket(len(live), engine.batch) < engine.batch:
-            # A running request's caches hold its prompt and its tokens but the last (the next round's input).
-            committed = max(len(prompts[i]) + len(results[i].tokens) - 1 for i in live)
-            engine, rows, seconds = move_to_smaller(engine, engine_for, rows, live, committed)
-            compile_seconds, compiling = compile_seconds + seconds, compiling + seconds
+        def emit_each(new_per_row, is_round=True):
+            for row, (new, tree) in enumerate(new_per_row[:len(rows)]):
+                i = rows[row]
+                if i not in live:
+                    continue
+                if new is None:  # its logits or draws were not sound: it ends here, and the others go on
+                    end(i, row, NON_FINITE)
+                    continue
+                r = results[i]
+                before = len(r.tokens)
+                done = emit(r.tokens, new, stop, max_new_tokens, on_tokens and (lambda kept: on_tokens(i, kept)))
+                if is_round:  # not the prefill's first token
+                    r.stats["accepted"].append(len(r.tokens) - before)
+                    r.stats["path_lengths"].append(len(new))
+                if tree is not None:
+                    r.trees.append(tree)
+                if done:
+                    end(i, row)
+
+        first_tokens = engine.start([prompts[i] for i in rows], [seeds[i] for i in rows])
+        emit_each([(None if t is None else [t], None) for t in first_tokens], is_round=False)
+        while live:
+            emit_each(engine.step())
+            if not auto and live and batch_bucket(len(live), engine.batch) < engine.batch:
+                # A running request's caches hold its prompt and its tokens but the last (the next round's input).
+                committed = max(len(prompts[i]) + len(results[i].tokens) - 1 for i in live)
+                engine, rows, seconds = move_to_smaller(engine, lambda b: engine_for(longest, b), rows, live,
+                                                        committed)
+                compile_seconds, compiling = compile_seconds + seconds, compiling + seconds
     return results
 
 
@@ -136,7 +153,8 @@ def move_to_smaller(engine, engine_for, rows: list, live: set, committed: int) -
         cache[:len(keep), :, :window] = rows_before
     for state, rows_before in zip(smaller.target.state_tensors(), states):
         state[:len(keep)] = rows_before
-    resume(smaller, held)
+    smaller.setup_caches()
+    smaller.adopt(held.padded(smaller.batch))
     return smaller, [rows[row] for row in keep], seconds
 
 
@@ -153,31 +171,16 @@ def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> 
     return kept[-1] in stop or len(tokens) >= max_new_tokens
 
 
-def take(engine, rows: list[int], slots: int) -> tuple:
-    """The running requests in `rows`, for an engine with a smaller batch (resume): their caches' first `slots`
-    slots (every request's committed ones: the rest are scratch) move to the caches' first rows, in place,
-    layer by layer (the smaller engine's caches are those rows); returns their next tokens, positions and
-    generators."""
+def take(engine, rows: list[int], slots: int) -> Requests:
+    """The running requests in `rows`, for an engine with a smaller batch: their caches' first `slots` slots (every
+    request's committed ones: the rest are scratch) move to the caches' first rows, in place, layer by layer (the
+    smaller engine's caches are those rows); returns their Requests."""
     index = torch.tensor(rows, device=engine.device)
     for cache in engine.kv_caches():
         cache[:len(rows), :, :slots] = cache[:, :, :slots].index_select(0, index)
     for state in engine.target.state_tensors():  # recurrent layers' states: one per request, whole
         state[:len(rows)] = state.index_select(0, index)
-    return engine.token[index], engine.position[index], [engine.generators[r] for r in rows]
-
-
-
-def resume(engine, held: tuple):
-    """Carry on the requests taken from another engine of these settings (take) as rows 0, 1, ...; the rows
-    past them are padding, as in start()."""
-    token, position, generators = held
-    n, pad = len(generators), engine.batch - len(generators)
-    engine.setup_caches()
-    engine.guards_checked = False
-    engine.token = torch.cat([token, token.new_zeros(pad)])
-    engine.position = torch.cat([position, position.new_ones(pad)])  # a padding row's one-token dummy prompt
-    engine.live = torch.tensor([1] * n + [0] * pad, device=engine.device)
-    engine.generators = generators + [None] * pad
+    return engine.requests.select(rows)
 
 
 def batch_bucket(n: int, max_batch: int) -> int:

@@ -201,27 +201,18 @@ def auto_budgets(prompt_len: int, max_new_tokens: int, target) -> tuple:
     return tuple(b for b in AUTO_BUDGETS if b <= room)
 
 
-def auto_engine(make_engine, target, drafter, spec, budgets) -> "AutoBudget":
-    """The candidates, one engine each over the same caches (make_engine(method, drafter, spec, tally)):
-    plain decoding, the chain, and a tree per budget that also tallies every smaller budget and the chain. Plain
-    decoding runs without the drafter (its context catches up when a speculative round follows), except on a
-    recurrent target: there it keeps the drafter's context as it decodes (ddtree.Engine._decode), since a catch-up
+def auto_candidates(target, drafter, spec, budgets) -> dict:
+    """The candidates, as candidate -> (method, drafter, Speculation, tally) of its engine (all over the same
+    caches): plain decoding, the chain, and a tree per budget that also tallies every smaller budget and the chain.
+    Plain decoding runs without the drafter (its context catches up when a speculative round follows), except on a
+    recurrent target: there it keeps the drafter's context as it decodes (ddtree.Engine.decode), since a catch-up
     would run committed tokens through the recurrent state twice."""
-    chain_spec = Speculation(denoise_steps=spec.denoise_steps)
-    engines = {"ar": make_engine("ar", drafter if target.recurrent else None, Speculation()),
-               "chain": make_engine("dflash", drafter, chain_spec)}
+    candidates = {"ar": ("ar", drafter if target.recurrent else None, Speculation(), None),
+                  "chain": ("dflash", drafter, Speculation(denoise_steps=spec.denoise_steps), None)}
     for b in budgets:
         smaller = tuple(x for x in budgets if x <= b)
-        engines[b] = make_engine("ddtree", drafter, replace(spec, budget=b), functools.partial(tally, smaller))
-    return AutoBudget(engines, drafter.block_size)
-
-
-def adopt(engine, other):
-    """`engine` takes over `other`'s requests between two steps: the models' caches are shared (same slots and
-    batch), so the requests' state is all there is to hand over."""
-    engine.token, engine.position, engine.generators, engine.live = other.token, other.position, \
-        other.generators, other.live
-    engine.guards_checked = False
+        candidates[b] = ("ddtree", drafter, replace(spec, budget=b), functools.partial(tally, smaller))
+    return candidates
 
 
 def catch_up(engine, tokens: list[list[int]], starts: list[int]):
@@ -285,7 +276,7 @@ class AutoBudget:
     def scratch(self) -> int:
         """Slots the calibration's rounds need past its prompt: a verify and a block per round, and what they
         commit."""
-        return max(e.nodes + 1 for e in self.engines.values() if e.method != "ar") + \
+        return max(e.tree_size + 1 for e in self.engines.values() if e.method != "ar") + \
             (2 + CALIBRATE_ROUNDS + 1) * self.block_size
 
     def start(self, prompts, seeds):
@@ -312,9 +303,9 @@ class AutoBudget:
         """One round on the chosen candidate (Engine.step's result); its time and acceptance update the estimates."""
         candidate, probing = self.choose()
         engine = self.engines[candidate]
-        running = [g is not None for g in self.current.generators]
+        running = [g is not None for g in self.current.requests.generators]
         catch_up = self.keep_drafter_context(engine, running)
-        adopt(engine, self.current)
+        engine.adopt(self.current.requests)  # the caches are shared: the requests are all there is to hand over
         t0 = time.perf_counter()
         new = engine.step()
         seconds = time.perf_counter() - t0
@@ -380,7 +371,7 @@ class AutoBudget:
         if candidate == "chain":
             self.tau["chain"].add(self.mean(engine.last_lengths, running) - 1)
         elif candidate != "ar":
-            smaller = tuple(c for c in self.engines if isinstance(c, int) and c <= candidate)  # auto_engine's
+            smaller = tuple(c for c in self.engines if isinstance(c, int) and c <= candidate)  # auto_candidates'
             for j, b in enumerate(smaller + ("chain",)):
                 self.tau[b].add(self.mean([t[j] for t in engine.last_tally], running))
 

@@ -18,7 +18,7 @@ import cpu
 
 def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
     """The engine's (round, prefill step) compiled for this device, the inductor options its compiling calls set
-    (call_compiled), and the seconds spent building the CPU attention kernel (0 on a GPU, or once built).
+    (guards), and the seconds spent building the CPU attention kernel (0 on a GPU, or once built).
 
     One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the query length
     fails to build on the CPU (docs/compile.md). Engines compile the same methods, so they share one cache per
@@ -42,16 +42,16 @@ def graph_warmup_calls(compile, device_type: str) -> int:
     return 2 if compile and device_type == "cuda" else 1
 
 
-def call_compiled(fn, args: tuple, options: dict, check_guards: bool):
-    """fn(*args), fn compiled (or eager: then both ways are a plain call). With check_guards, every guard is
+def guards(options: dict, check: bool):
+    """The context of a compiled step's call (a plain call for an eager one). With `check`, every guard is
     evaluated and `options` (inductor's, for a compile) are set: only such a call can compile. Without, only the
-    guards that tell fn's graphs apart are, and a call that would recompile is an error instead, so it needs no
-    options and does not pay for setting them (docs/compile.md, "Guards checked once per run")."""
-    if not check_guards:
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return fn(*args)
-    with torch._inductor.config.patch(options) if options else contextlib.nullcontext():
-        return fn(*args)
+    guards that tell the step's graphs apart are (every tensor that is not a parameter, and whatever once made a
+    graph recompile), and a call that would recompile is an error instead, so it needs no options and does not pay
+    for setting them: a step sees the same objects and shapes at every round of a run (docs/compile.md, "Guards
+    checked once per run")."""
+    if not check:
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+    return torch._inductor.config.patch(options) if options else contextlib.nullcontext()
 
 
 @functools.cache

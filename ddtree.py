@@ -11,7 +11,7 @@ Three methods share one decoding loop:
 Every method is lossless: greedy output equals plain greedy decoding, sampled output follows the target's law.
 
 Reading order: generate() -> Engine (its masks and compiled steps) -> Engine.step (one round, its randomness and
-its one host read) -> Engine._round (five stages, each one call into the file that owns it: drafter.py,
+its one host read) -> Engine.round (five stages, each one call into the file that owns it: drafter.py,
 draft_tree.py + tree_attn.py, model.py, sampler.py, tree_attn.py) -> the prefill. Around it, one concern per
 file: batch.py (the decoding loop, shrinking batches), budget.py (budget auto), settings.py (Speculation, argument
 checks), cli.py (the command line), compiling.py (torch.compile, CUDA graphs), cpu/ (CPU-only speed),
@@ -20,7 +20,6 @@ docs/round.md walks through one round with a picture of its tree and mask.
 """
 
 import contextlib
-import functools
 import os
 import signal
 import sys
@@ -36,8 +35,9 @@ import torch  # noqa: E402
 
 import compiling
 import cpu
-from batch import RequestsFailed, Result, run_waves
-from budget import AutoBudget, auto_budgets, auto_engine
+import batch
+from batch import Requests, RequestsFailed, Result
+from budget import AutoBudget, auto_budgets, auto_candidates
 from draft_tree import (Lattice, ancestor_matrix, build_lattice_tree, build_lattice_tree_heap, build_tree,
                         build_tree_heap, walk_lattice)
 from drafter import DFlashDrafter
@@ -84,8 +84,8 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
     thread waits for it, and one from this thread (a call from on_tokens or on_result) is a RuntimeError.
 
     stats: new_tokens, rounds, accepted (tokens each round emitted; their sum is new_tokens - 1, the first token
-    coming from the prefill), verified (tokens each round's verify accepted, drafts + the target's next token,
-    before a stop token or the token limit cut them), tau = mean of accepted, seconds and tokens_per_s (the
+    coming from the prefill), path_lengths (the length of each round's accepted path: drafts + the target's next
+    token, before a stop token or the token limit cut them), tau = mean of accepted, seconds and tokens_per_s (the
     generation alone), compile_seconds (warming up a new compiled engine, outside `seconds`), seed.
     """
     if on_tokens is not None and not callable(on_tokens):
@@ -107,7 +107,7 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     seeds[i] in the order generate(seed=seeds[i]) draws it, so it is the same sample as the lone run (seeds:
     one int or None per prompt; None = a fresh seed). A request that ends (stop token, token limit) stops
     emitting while the rest go on. on_tokens(i, list[int]) streams request i's tokens; on_result(i, Result) gets
-    request i's Result as soon as it ends (batch.run_waves). Batches are padded to a power of two, so a few
+    request i's Result as soon as it ends (batch.run). Batches are padded to a power of two, so a few
     compiled graphs serve every batch size, and a batch moves to the next smaller power of two as its requests
     end (stats["batch"] is the size it started at). A request whose logits or draws turn non-finite ends there
     (its Result.error says so, its tokens are those emitted before) while the others go on; once every request
@@ -120,14 +120,13 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
         prompts, seeds, stop = check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens,
                                              spec, compile, on_tokens, max_batch, on_result)
 
-        def engine_for(longest: int):  # the engine (by batch size) for a wave whose longest prompt has this length
+        def engine_for(longest: int, batch_size: int):  # for a wave whose longest prompt has this length
             budgets = auto_budgets(longest, max_new_tokens, target) if spec.budget == "auto" else ()
             length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets, target.device.type)
-            return functools.partial(get_engine, target, drafter, method, sampling, spec, length, compile,
-                                     auto=budgets)
+            return get_engine(target, drafter, method, sampling, spec, length, compile, batch_size, budgets)
 
         with torch.inference_mode():
-            results = run_waves(engine_for, prompts, seeds, stop, max_new_tokens, max_batch, on_tokens, on_result,
+            results = batch.run(engine_for, prompts, seeds, stop, max_new_tokens, max_batch, on_tokens, on_result,
                                 dict(method=method, budget=spec.budget))
     if any(r.error is not None for r in results):
         raise RequestsFailed(results)
@@ -174,7 +173,7 @@ class Engine:
         self.device, self.max_seq_len, self.batch, self.compiled = target.device, max_seq_len, batch, compile
         self.tally = tally  # budget auto (budget.tally): what smaller budgets and the chain would have accepted
         self.last_lengths = self.last_tally = None  # the last step's, read by budget auto
-        self.guards_checked = False  # whether this run's first step checked every guard (run_round)
+        self.requests, self.guards_checked = None, False  # the requests (adopt), and whether a step checked guards
         # The tree builder: the paper's heap when eager (host code, the readable reference, and faster outside a
         # graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees.
         self.build_tree = build_tree if compile else build_tree_heap
@@ -192,22 +191,23 @@ class Engine:
         if drafter is not None:
             drafter.setup_cache(max_seq_len, batch)
             self.feature_layers = tuple(drafter.config.target_layer_ids)
-            self.depth = drafter.block_size - 1  # L: draft positions per round
-            self.nodes = spec.budget if method == "ddtree" else self.depth  # the chain is a tree of L nodes
-            # How deep a round's tree can reach: a tree of B nodes is at most B deep, so a small budget drafts,
-            # walks and commits fewer rows. Budget auto's tally reads the chain's L drafts and paths as long.
-            self.reach = self.depth if tally else min(self.nodes, self.depth)
+            self.draft_len = drafter.block_size - 1  # L: draft positions per round
+            self.tree_size = spec.budget if method == "ddtree" else self.draft_len  # B: the chain is a tree of L
+            # D: a tree of B nodes is at most B deep, so a small budget drafts, walks and commits fewer rows.
+            # Budget auto's tally reads the chain's L drafts and paths as long.
+            self.max_depth = self.draft_len if tally else min(self.tree_size, self.draft_len)
             # The block sees itself bidirectionally, or causally, or within a sliding window, as each drafter
             # layer says (docs/checkpoints.md): one mask per kind; with draft_window W, of the committed context
             # only its last W tokens (every kind: a sliding layer's window intersects it).
             self.draft_masks = {kind: block_mask(drafter.block_size, max_seq_len, self.device, dense, batch, *kind,
                                                  context=spec.draft_window)
                                 for kind in drafter.config.mask_kinds}
-            self.verify_mask = PrefixMask(self.nodes + 1, max_seq_len, self.device, dense, batch)
-        self.prefill_step, self.round = self._prefill_step, (self._decode if method == "ar" else self._round)
+            self.verify_mask = PrefixMask(self.tree_size + 1, max_seq_len, self.device, dense, batch)
+        if method == "ar":
+            self.round = self.decode  # plain decoding's round
         self.compile_options, self.build_seconds = {}, 0.0  # the round's inductor options; the CPU kernel's build
         self.warm = not compile
-        if compile:
+        if compile:  # the compiled round and prefill step take the methods' names on this engine
             self.round, self.prefill_step, self.compile_options, self.build_seconds = compiling.compile_steps(
                 self.round, self.prefill_step, target, drafter, compile)
 
@@ -216,31 +216,37 @@ class Engine:
     def start(self, prompts: list[list[int]], seeds: list[int]) -> list[int | None]:
         """Prefill the caches with up to `batch` prompts (rows past them run a one-token dummy); returns each
         request's first new token (the prefill's one host read), None where its logits or draw were not sound."""
-        n = len(prompts)
+        n, pad = len(prompts), self.batch - len(prompts)
         self.setup_caches()
-        self.guards_checked = False
-        self.generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] + \
-                          [None] * (self.batch - n)
-        self.live = torch.tensor([1] * n + [0] * (self.batch - n), device=self.device)
-        prompts = list(prompts) + [[0]] * (self.batch - n)
+        prompts = list(prompts) + [[0]] * pad
+        generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] + [None] * pad
+        self.adopt(Requests(None, torch.tensor([len(p) for p in prompts], device=self.device), generators,
+                            torch.tensor([1] * n + [0] * pad, device=self.device)))
         self.target.reset_recurrent()  # a recurrent layer's state starts empty (K/V need no reset: masks)
-        token, ok = self.prefill(prompts)
-        read = host_read(token=token, sound=ok)[:n]
-        self.token = token
-        self.position = torch.tensor([len(p) for p in prompts], device=self.device)
+        self.requests.token, ok = self.prefill(prompts)
+        read = host_read(token=self.requests.token, sound=ok)[:n]
         return [r["token"] if r["sound"] else None for r in read]
+
+    def adopt(self, requests: Requests):
+        """Run `requests` from the next step on (Engine.start's, or those another engine of these settings ran:
+        batch.move_to_smaller, budget auto's switches). Its first step checks every guard of the compiled round."""
+        self.requests, self.guards_checked = requests, False
 
     def finish(self, i: int):
         """Request i has ended: it stops advancing (its rows keep running in the batch, in scratch slots past its
         committed length, and their results are dropped) and stops drawing randomness."""
-        self.live[i] = 0
-        self.generators[i] = None
+        self.requests.finish(i)
 
     def step(self) -> list[tuple[list[int], tuple | None]]:
         """One round for every request: per request, the new token ids (accepted drafts, then the target's own
         next token; for ar just that token; None where its logits or draws were not sound) and, with show_tree, the
         round's tree. Makes the round's one host read."""
-        rows, length, token, ok, tree, tally = self.run_round(self.token, self.position, *self.randomness())
+        # Dynamo's guards (docs/compile.md, "Guards checked once per run"): all of them at the first step after the
+        # requests were adopted; after it only those that tell the compiled graphs apart.
+        r = self.requests
+        with compiling.guards(self.compile_options, check=not (self.compiled and self.guards_checked)):
+            rows, length, token, ok, tree, tally = self.round(r.token, r.position, *self.randomness())
+        self.guards_checked = True
         # The one host read: per request, its committed rows, their count, the next token, whether its draws were
         # sound, and for budget auto the tally.
         read = host_read(rows=rows, length=length, token=token, sound=ok, tally=tally)
@@ -249,27 +255,17 @@ class Engine:
         # Under CUDA graphs a call's outputs live in a memory pool that any later compiled call (this engine's or
         # another's: a catch-up, a switch of budget auto) may overwrite: what outlives the step is copied here, at
         # the store (tests/test_graph_pool.py emulates the pool on the CPU).
-        self.token, self.position = token.clone(), self.position + length * self.live
+        r.token, r.position = token.clone(), r.position + length * r.live
         # rows[i, 0] is the previous token, emitted last step
         return [(r["rows"][1:r["length"]] + [r["token"]] if r["sound"] else None,
                  None if tree is None else tuple(t[i].clone() for t in tree) + (r["length"],))
                 for i, r in enumerate(read)]
 
-    def run_round(self, *args):
-        """self.round(*args) with dynamo's guards (docs/compile.md, "Guards checked once per run"): all of them at
-        the first step after start, resume or budget.adopt; after it only those that tell the compiled graphs apart
-        (every tensor that is not a parameter, and whatever once made a graph recompile). A compiled step sees the
-        same objects and shapes at every round of a run, so the rest would give the same answer each time."""
-        skip = self.compiled and self.guards_checked
-        out = compiling.call_compiled(self.round, args, self.compile_options, check_guards=not skip)
-        self.guards_checked = True
-        return out
-
     # -- one speculative round: draft -> tree -> verify -> accept -> commit ---------------------------------------
 
-    def _round(self, bonus, start, noise, accept_u, draft_noise):
+    def round(self, bonus, start, noise, accept_u, draft_noise):
         """bonus: [N] the last token the target chose for each request, not yet in its cache; start: [N], its
-        position (= the request's committed length). Returns the committed rows' tokens [N, D + 1] (D = self.reach,
+        position (= the request's committed length). Returns the committed rows' tokens [N, D + 1] (D = self.max_depth,
         the deepest the tree can go; valid up to `length`), length [N], the next bonus [N], whether each request's
         logits and draws were sound (Engine.pick), the trees with show_tree, and for budget auto what smaller
         budgets and the chain would have accepted (budget.tally)."""
@@ -292,7 +288,7 @@ class Engine:
 
     def draft(self, bonus, start):
         masks = {kind: mask.set(start) for kind, mask in self.draft_masks.items()}
-        return self.drafter.draft(bonus, start, masks, self.spec.denoise_steps, self.reach)
+        return self.drafter.draft(bonus, start, masks, self.spec.denoise_steps, self.max_depth)
 
     def propose(self, draft_logits, draft_noise):
         """(tokens, parents, depths, q), each [N, nodes]: the nodes in parent-first order; q the warped draft law
@@ -302,9 +298,9 @@ class Engine:
             return self.propose_lattice(draft_logits, draft_noise)
         if self.method == "ddtree":
             logq = torch.log_softmax(tempered(draft_logits, self.spec.draft_temperature), dim=-1)
-            return (*self.build_tree(logq, self.nodes), None)
+            return (*self.build_tree(logq, self.tree_size), None)
         n = draft_logits.shape[0]
-        chain_parents = torch.arange(self.depth, device=draft_logits.device).expand(n, -1)  # node i under row i
+        chain_parents = torch.arange(self.draft_len, device=draft_logits.device).expand(n, -1)  # node i under row i
         depths = chain_parents + 1
         if self.spec.draft_sampling:
             q = warp_probs(draft_logits, self.sampling)
@@ -317,29 +313,29 @@ class Engine:
         if self.method == "ddtree":
             logq = torch.log_softmax(tempered(lattice.scores, self.spec.draft_temperature), dim=-1)
             build = build_lattice_tree if self.build_tree is build_tree else build_lattice_tree_heap
-            return (*build(lattice.tokens, logq, self.nodes), None)
+            return (*build(lattice.tokens, logq, self.tree_size), None)
         n = lattice.tokens.shape[0]
-        chain_parents = torch.arange(self.depth, device=lattice.tokens.device).expand(n, -1)
+        chain_parents = torch.arange(self.draft_len, device=lattice.tokens.device).expand(n, -1)
         temperature = self.sampling.temperature if self.spec.draft_sampling else 0.0
-        tokens, q = walk_lattice(lattice, self.depth, self.target.config.vocab_size, temperature, draft_noise)
+        tokens, q = walk_lattice(lattice, self.draft_len, self.target.config.vocab_size, temperature, draft_noise)
         return tokens, chain_parents, chain_parents + 1, q
 
     def chain(self, draft_logits):
         """The drafter's greedy chain [N, D] (budget auto's tally of what the chain would accept)."""
         if isinstance(draft_logits, Lattice):
-            return walk_lattice(draft_logits, self.reach, self.target.config.vocab_size)[0]
+            return walk_lattice(draft_logits, self.max_depth, self.target.config.vocab_size)[0]
         return draft_logits.argmax(-1)
 
     def tree_mask(self, start, parents):
         """The verify mask (prefix + ancestors) and the tree as the recurrent layers take it."""
-        recurrent = Recurrent.tree(parents, ancestor_matrix(parents, self.reach, dtype=torch.uint8), self.reach)
+        recurrent = Recurrent.tree(parents, ancestor_matrix(parents, self.max_depth, dtype=torch.uint8), self.max_depth)
         return self.verify_mask.set(start, recurrent.anc), recurrent
 
     def verify(self, bonus, tokens, depths, start, mask, recurrent=None):
         """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row."""
         rows = torch.cat([bonus[:, None], tokens], dim=1)
         positions = start[:, None] + torch.cat([depths[:, :1] * 0, depths], dim=1)
-        slots = start[:, None] + torch.arange(self.nodes + 1, device=rows.device)
+        slots = start[:, None] + torch.arange(self.tree_size + 1, device=rows.device)
         logits, features = self.target(rows, positions, slots, mask, feature_layers=self.feature_layers,
                                        recurrent=recurrent)
         return rows, positions, logits, features
@@ -352,10 +348,10 @@ class Engine:
             p = warp_probs(logits, self.sampling)
             accepted, next_token = verify_chain_sampled(p, q, tokens, accept_u, noise)
             ok = finite_rows(logits) & finite_rows(p) & finite_rows(q)
-            path = torch.arange(self.depth + 1, device=logits.device).expand(logits.shape[0], -1)
+            path = torch.arange(self.draft_len + 1, device=logits.device).expand(logits.shape[0], -1)
             return path, accepted + 1, next_token, ok
         choices, ok = self.pick(logits, noise)
-        return (*walk_tree(parents, tokens, choices, self.reach), ok)
+        return (*walk_tree(parents, tokens, choices, self.max_depth), ok)
 
     def commit(self, start, path, length, positions, features, recurrent):
         compact_kv(self.target.kv_caches(), start, path)
@@ -368,8 +364,8 @@ class Engine:
 
     # -- plain decoding and the prefill ---------------------------------------------------------------------------
 
-    def _decode(self, token, start, noise):
-        """ar's round: the target over each request's last token; returns what _round does (the one committed row,
+    def decode(self, token, start, noise):
+        """ar's round: the target over each request's last token; returns what round() does (the one committed row,
         length 1, the next token, soundness, no tree, no tally). With a drafter (budget auto's plain decoding on a
         recurrent target, whose drafter cannot catch up later), the token's features extend its context."""
         logits, features = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start),
@@ -413,7 +409,7 @@ class Engine:
             token, ok = torch.where(here, t[:, 0], token), torch.where(here, o, ok)
         return token, ok
 
-    def _prefill_step(self, tokens, start, last_row, valid, noise, slots=None):
+    def prefill_step(self, tokens, start, last_row, valid, noise, slots=None):
         """A chunk of prompt rows of every request at positions start.. (prefill_chunk rows; fewer with a
         materialized mask, which covers `slots` KV slots and whose first rows the attention takes), of which the
         first `valid` [N] are the prompt's. Returns the token after each request's `last_row` [N, 1]."""
@@ -440,7 +436,7 @@ class Engine:
     def draws(self, per_request) -> tuple:
         """Each running request's per_request(generator) (a tuple of fixed-shape tensors), stacked along the batch;
         ended requests and padding rows draw nothing and get ones (valid noise, never used)."""
-        drawn = [None if g is None else per_request(g) for g in self.generators]
+        drawn = [None if g is None else per_request(g) for g in self.requests.generators]
         example = next(d for d in drawn if d is not None)
         return tuple(torch.stack([d[k] if d is not None else torch.ones_like(example[k]) for d in drawn])
                      for k in range(len(example)))
@@ -460,10 +456,10 @@ class Engine:
         if self.sampling.greedy:
             return None, None, None
         if not self.spec.draft_sampling:
-            return self.noise(self.nodes + 1), None, None
-        return self.draws(lambda g: (draw_noise((self.nodes + 1,), g, self.device),
-                                     torch.rand(self.depth, generator=g, device=self.device),
-                                     draw_noise((self.depth,), g, self.device)))
+            return self.noise(self.tree_size + 1), None, None
+        return self.draws(lambda g: (draw_noise((self.tree_size + 1,), g, self.device),
+                                     torch.rand(self.draft_len, generator=g, device=self.device),
+                                     draw_noise((self.draft_len,), g, self.device)))
 
     # -- the models' caches, and the warm-up of a compiled engine -------------------------------------------------
 
@@ -482,7 +478,7 @@ class Engine:
     def warm_up_slots(self) -> int:
         """The cache slots warm_up's dummy request writes in every row: a prefill chunk, then a round's rows after
         its one-token prompt (the verified rows, the drafter's block, the committed path)."""
-        rows = 1 if self.drafter is None else max(self.nodes + 1, self.drafter.block_size, self.reach + 1)
+        rows = 1 if self.drafter is None else max(self.tree_size + 1, self.drafter.block_size, self.max_depth + 1)
         return min(self.max_seq_len, max(self.prefill_mask.q_len, 1 + rows))
 
     def warm_up(self) -> float:
@@ -519,10 +515,11 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, ba
             for old in [k for k in _ENGINES if k[:-1] != settings]:
                 del _ENGINES[old]
             if spec.budget == "auto":
-                _ENGINES[key] = auto_engine(
-                    lambda method, drafter, spec, tally=None: Engine(target, drafter, method, sampling, spec,
-                                                                     max_seq_len, compile, batch, tally),
-                    target, drafter, spec, auto)
+                engines = {c: Engine(target, candidate_drafter, candidate_method, sampling, candidate_spec,
+                                     max_seq_len, compile, batch, tally)
+                           for c, (candidate_method, candidate_drafter, candidate_spec, tally)
+                           in auto_candidates(target, drafter, spec, auto).items()}
+                _ENGINES[key] = AutoBudget(engines, drafter.block_size)
             else:
                 _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch)
         return _ENGINES[key]

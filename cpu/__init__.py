@@ -128,7 +128,7 @@ def compile_frozen(step):
     closure: dynamo then reaches the weights through the closure, inlines them as constants and guards on this
     engine's step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first
     call (and at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze
-    (torch 2.13): so a caller sets the options around each call that may compile (compiling.call_compiled), and
+    (torch 2.13): so a caller sets the options around each call that may compile (compiling.guards), and
     nothing else in the process sees them."""
     return torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
 

@@ -149,11 +149,11 @@ def split_table(target, drafter, a) -> dict:
 
 
 def one_step_tau(target, drafter, contexts, method, budget, denoise):
-    """Tokens the first speculative round after each real context verified (drafts accepted + the bonus), uncut
+    """Tokens the first speculative round after each real context accepted (its path length: drafts accepted + the bonus), uncut
     by the token limit of 2."""
+    spec = Speculation(denoise_steps=denoise)
     per = [generate(target, drafter, c, method=method, budget=budget if method == "ddtree" else None,
-                    max_new_tokens=2, stop_ids=[], speculation=Speculation(denoise_steps=denoise)).stats["verified"][0]
-           for c in contexts]
+                    max_new_tokens=2, stop_ids=[], speculation=spec).stats["path_lengths"][0] for c in contexts]
     return sum(per) / len(per)
 
 

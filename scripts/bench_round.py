@@ -602,7 +602,7 @@ def profile_round(target, drafter, budget: int):
             return
         if event == "call":
             stack.append(code.co_name)
-            inside[0] = inside[0] or code.co_name == "_round"
+            inside[0] = inside[0] or code.co_qualname == "Engine.round"
             if inside[0]:
                 seen[(os.path.relpath(code.co_filename, ROOT), code.co_qualname)] = source_lines(code)
             if code.co_qualname == "Attention.attend" and len(stack) > len(deepest):
@@ -610,7 +610,7 @@ def profile_round(target, drafter, budget: int):
         elif event == "return":
             if stack:
                 stack.pop()
-            if code.co_name == "_round":
+            if code.co_qualname == "Engine.round":
                 inside[0] = False
 
     prompt = list(range(5, 40))

@@ -27,8 +27,8 @@ from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, ran
                          save_checkpoint, stdlib_files, write_json_file)
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
 from cpu import AUTOTUNE_OPTIONS, compile_frozen  # noqa: E402
-from compiling import call_compiled  # noqa: E402
-from batch import run_requests  # noqa: E402
+from compiling import guards  # noqa: E402
+import batch as batching  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from gated_delta import Recurrent  # noqa: E402
@@ -88,11 +88,26 @@ def save_random_pair(out_dir: str, hidden: int, layers: int, vocab: int = 4096, 
     return target, draft
 
 
+def stepped_round(engine, *args):
+    """A zero-argument call of engine.round(*args) as Engine.step calls it: every guard at the first call, then
+    only those that tell the compiled graphs apart (compiling.guards)."""
+    calls = itertools.count()
+
+    def call():
+        with guards(engine.compile_options, check=next(calls) == 0):
+            return engine.round(*args)
+    return call
+
+
 def frozen_stage(f):
-    """f compiled as a frozen engine compiles its round, and called as Engine.run_round calls it: the first call
+    """f compiled as a frozen engine compiles its round, and called as Engine.step calls it: the first call
     (the compile) with every guard and AUTOTUNE_OPTIONS, the later ones skipping the guards."""
     compiled, calls = compile_frozen(f), itertools.count()
-    return lambda *args: call_compiled(compiled, args, AUTOTUNE_OPTIONS, check_guards=next(calls) == 0)
+
+    def call(*args):
+        with guards(AUTOTUNE_OPTIONS, check=next(calls) == 0):
+            return compiled(*args)
+    return call
 
 
 @torch.inference_mode()
@@ -109,7 +124,7 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     spec = Speculation(budget=budget)
     engine = Engine(target, drafter, "ddtree", Sampling(), spec, cache_length(prompt_len, 64, "ddtree", spec, drafter),
                     compile=compile)  # its masks and tree builder are those of an engine run this way
-    engine.prefill_step = engine._prefill_step  # the prefill only sets up the caches here: eager
+    engine.prefill_step = Engine.prefill_step.__get__(engine)  # the prefill only sets up the caches here: eager
     draft, context, verify = split_forwards(engine, compile)
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,)).tolist()
     bonus, _ = engine.prefill([prompt])  # a batch of one request: every tensor below has a leading 1
@@ -168,7 +183,7 @@ def compiled_round_ms(engine, bonus, start, forwards, repeats) -> dict:
     real tree overhead. They are timed interleaved (round, draft, context, verify, round, ...) so that a noisy
     machine shifts all of them alike; the round runs as Engine.step runs it (every guard at its first call, then
     only those that tell graphs apart)."""
-    whole, *fwd = interleaved([lambda: engine.run_round(bonus, start, None, None, None)] + forwards, engine.device,
+    whole, *fwd = interleaved([stepped_round(engine, bonus, start, None, None, None)] + forwards, engine.device,
                               3 * repeats)
     return {"round": whole, "round_overhead_pct": 100 * (whole - sum(fwd)) / whole}
 
@@ -371,7 +386,7 @@ def interleaved_runs(configs: dict, prompts, new_tokens, compile, passes=3) -> d
         for n in range(passes):
             for prompt in prompts:
                 for key, engine in engines.items():
-                    res = run_requests(engine, [prompt], [0], set(), new_tokens, None)[0]
+                    res = batching.run(lambda longest, size: engine, [prompt], [0], set(), new_tokens)[0]
                     r = out[key]
                     r["seconds"] += res.stats["seconds"]
                     r["new"] += res.stats["new_tokens"]

@@ -56,7 +56,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 from benchlib import (build_drafter, build_target, copy_bandwidth, cpu_name, keep, kernel_table,  # noqa: E402
-                      per_call_ms, pipelined_ms, random_tokens, sync, tree_verify, write_json)
+                      per_call_ms, pipelined_ms, random_tokens, stepped_round, sync, tree_verify, write_json)
 import compiling  # noqa: E402
 import ddtree  # noqa: E402
 import gated_delta  # noqa: E402
@@ -383,14 +383,14 @@ def step_bytes(target: Qwen3, context: int) -> dict:
 
 
 def ar_step(run, target: Qwen3, profile: bool) -> dict:
-    """The AR step after CONTEXT tokens as the engine runs it (Engine.run_round of a compiled ar engine: CUDA graphs
+    """The AR step after CONTEXT tokens as the engine runs it (Engine.round of a compiled ar engine: CUDA graphs
     on a GPU), pipelined and per call, against the floor of the bytes it reads; with `profile` the kernel table."""
     spec = Speculation()
     engine = Engine(target, None, "ar", Sampling(), spec, cache_length(CONTEXT, 64, "ar", spec, None),
                     compile=run.compile)
-    engine.prefill_step = engine._prefill_step  # the prefill only fills the cache here: eager, no graph of its own
+    engine.prefill_step = Engine.prefill_step.__get__(engine)  # the prefill only fills the cache: eager, no graph
     engine.start([random_tokens(CONTEXT, target.config.vocab_size)], [0])
-    step = lambda: engine.run_round(engine.token, engine.position, None)  # noqa: E731
+    step = stepped_round(engine, engine.requests.token, engine.requests.position, None)
     run.first_calls("ar", step)
     read = step_bytes(target, CONTEXT)
     floor = read["total"] / run.bandwidth() * 1e3
@@ -416,15 +416,15 @@ def ar_profile(run, out):
 
 def round_stages(run, target, drafter, budget: int, ar: dict | None = None) -> dict:
     """A DDTree round at `budget` after CONTEXT tokens: each stage compiled alone as the engine compiles its round
-    and timed pipelined; the whole round (Engine.run_round) pipelined and per call; Engine.step, whose excess over
+    and timed pipelined; the whole round (Engine.round) pipelined and per call; Engine.step, whose excess over
     the round is its one host read and bookkeeping; the round over `ar` (that target's AR step) when given. A DFlash
     2 drafter's draft stage is its block and selector, its tree stage the lattice's best tree."""
     spec = Speculation(budget=budget)
     engine = Engine(target, drafter, "ddtree", Sampling(), spec,
                     cache_length(CONTEXT, 16 * (run.repeats + 8), "ddtree", spec, drafter), compile=run.compile)
-    engine.prefill_step = engine._prefill_step
+    engine.prefill_step = Engine.prefill_step.__get__(engine)
     engine.start([random_tokens(CONTEXT, target.config.vocab_size)], [0])
-    bonus, start, ms = engine.token, engine.position, {}
+    bonus, start, ms = engine.requests.token, engine.requests.position, {}
 
     def measure(name, kind, fn, *args):
         f = run.stage(fn)
@@ -448,7 +448,7 @@ def round_stages(run, target, drafter, budget: int, ar: dict | None = None) -> d
                                  logits, tokens, parents)
     measure("commit", "tiny", lambda s, p, ln, pos, f: (engine.commit(s, p, ln, pos, f, recurrent), ln)[1],
             start, path, length, positions, features)
-    whole = lambda: engine.run_round(bonus, start, None, None, None)  # noqa: E731
+    whole = stepped_round(engine, bonus, start, None, None, None)
     run.first_calls("round", whole)
     rec = dict(stages_ms=ms, stages_sum_ms=sum(ms.values()), round_ms=pipelined_ms(whole, run.device,
                                                                                   run.back_to_back),

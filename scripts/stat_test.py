@@ -302,7 +302,7 @@ def draw_samples(target, drafter, prompt, n: int, samples: int, seed0: int = 0, 
     rounds = drafts = 0
     if kw.get("method") != "ar":
         rounds = sum(r.stats["rounds"] for r in results)
-        drafts = sum(sum(r.stats["verified"]) - r.stats["rounds"] for r in results)  # each round commits a bonus
+        drafts = sum(sum(r.stats["path_lengths"]) - r.stats["rounds"] for r in results)  # each round commits a bonus
     return [tuple(r.tokens) for r in results], dict(rounds=rounds, drafts_per_round=drafts / rounds if rounds else 0.0,
                                                     samples_per_s=samples / seconds, seconds=seconds)
 

@@ -49,6 +49,19 @@ def ragged_prompts(n, seed=0):
 METHODS = [("ar", {}), ("dflash", {}), ("ddtree", dict(budget=6))]
 
 
+def moves(monkeypatch) -> list:
+    """Records (the smaller engine's batch, the requests moved to it) of every move of a shrinking batch."""
+    moved, move = [], batching.move_to_smaller
+
+    def recorded(*args):
+        smaller, rows, seconds = move(*args)
+        moved.append((smaller.batch, len(rows)))
+        return smaller, rows, seconds
+
+    monkeypatch.setattr(batching, "move_to_smaller", recorded)
+    return moved
+
+
 @pytest.mark.parametrize("method, kw", METHODS, ids=[m for m, _ in METHODS])
 def test_greedy_batch_equals_each_lone_run(pair, method, kw):
     target, drafter = models(pair, method)
@@ -60,7 +73,7 @@ def test_greedy_batch_equals_each_lone_run(pair, method, kw):
             for p in prompts]
     assert [r.tokens for r in batch] == [r.tokens for r in lone]
     assert [r.stats["accepted"] for r in batch] == [r.stats["accepted"] for r in lone]
-    assert [r.stats["verified"] for r in batch] == [r.stats["verified"] for r in lone]
+    assert [r.stats["path_lengths"] for r in batch] == [r.stats["path_lengths"] for r in lone]
     assert [r.stats["batch"] for r in batch] == [4] * 4 + [2] * 2
     assert any(r.tokens[-1] == STOP and len(r.tokens) < 24 for r in lone), "no request stopped early"
     assert any(len(r.tokens) == 24 for r in lone), "every request stopped early"
@@ -96,10 +109,7 @@ def test_batch_shrinks_as_requests_end_and_each_request_stays_its_lone_run(pair,
     """Requests that end at different rounds (the stop token, the token limit) move the batch to engines of
     smaller batch sizes (8 -> 4 -> 2 -> 1 as they end); every request, greedy or seeded, is still its lone run."""
     target, drafter = models(pair, method)
-    resumed = []  # (the engine's batch, the requests it took over)
-    resume = batching.resume
-    monkeypatch.setattr(batching, "resume", lambda engine, held: (resumed.append((engine.batch, len(held[-1]))),
-                                                               resume(engine, held)))
+    resumed = moves(monkeypatch)  # (the engine's batch, the requests it took over)
     prompts, seeds = ragged_prompts(7, seed=7), list(range(30, 37))
     run = lambda prompts, seeds: generate_batch(target, drafter, prompts, method=method, max_new_tokens=30,
                                                 seeds=seeds, stop_ids=[STOP], max_batch=8, **grouped(kw))
@@ -116,9 +126,7 @@ def test_batch_shrinks_as_requests_end_and_each_request_stays_its_lone_run(pair,
 
 def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(tmp_path, one_thread, monkeypatch):
     from torch._dynamo.utils import counters
-    resumed = []
-    resume = batching.resume
-    monkeypatch.setattr(batching, "resume", lambda engine, held: (resumed.append(engine.batch), resume(engine, held)))
+    resumed = moves(monkeypatch)
     target, drafter = write_pair(tmp_path, target_layers=2, draft_layers=1)  # small graphs: compile time
     run = lambda prompts, compile: generate_batch(target, drafter, prompts, method="ddtree", budget=6,
                                                   max_new_tokens=16, stop_ids=[STOP], compile=compile)
@@ -134,7 +142,7 @@ def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(tmp_
         compiled = run(second, True)
     assert [r.tokens for r in compiled] == eager[1]
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
-    assert resumed == [1], "the compiled batch did not shrink"
+    assert [b for b, _ in resumed] == [1], "the compiled batch did not shrink"
     # One read per round of the batch (the batch runs until its longest request ends) and one for the prefill.
     assert reads.count == max(r.stats["rounds"] for r in compiled) + 1
 
@@ -151,7 +159,7 @@ def test_one_verify_tells_what_every_smaller_budget_accepts(pair):
         _, _, _, path, length = big.trees[0]
         estimated.append(accepted_within(path, torch.tensor(length), smaller).tolist())
         separate.append([generate(target, drafter, prompt, budget=b, max_new_tokens=2,
-                                  stop_ids=[]).stats["verified"][0] - 1 for b in smaller])
+                                  stop_ids=[]).stats["path_lengths"][0] - 1 for b in smaller])
     assert estimated == separate
     assert any(row[-1] > row[0] for row in estimated), "no context where a bigger tree accepted more"
 
@@ -194,7 +202,7 @@ def poison(monkeypatch, seed: int, from_call: int = 1):
 
     def poisoned(engine, logits, noise):
         tokens, ok = pick(engine, logits, noise)
-        rows = [g is not None and g.initial_seed() == seed for g in engine.generators]
+        rows = [g is not None and g.initial_seed() == seed for g in engine.requests.generators]
         calls.append(any(rows))
         if sum(calls) >= from_call:
             ok = ok & ~torch.tensor(rows, device=ok.device)

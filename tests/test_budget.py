@@ -101,9 +101,9 @@ def test_estimates_are_what_each_candidate_accepted(pair, monkeypatch):
             method, b = ("dflash", None) if c == "chain" else ("ddtree", int(c))
             one = generate(target, drafter, prompt, method=method, budget=b, max_new_tokens=2, stop_ids=[])
             if c == "chain":  # a lower bound where the tree lacked the chain's next node (budget.chain_accepted)
-                assert est[c]["tokens_per_round"] <= one.stats["verified"][0], (prompt, c)
+                assert est[c]["tokens_per_round"] <= one.stats["path_lengths"][0], (prompt, c)
             else:
-                assert est[c]["tokens_per_round"] == one.stats["verified"][0], (prompt, c)
+                assert est[c]["tokens_per_round"] == one.stats["path_lengths"][0], (prompt, c)
 
 
 def test_calibration_is_cached_and_reused(pair, monkeypatch, tmp_path):

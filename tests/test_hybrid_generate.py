@@ -105,8 +105,14 @@ def test_hybrid_batch_equals_lone_runs(pair, monkeypatch):
     import ddtree
     _, target, drafter, _ = pair
     resumed = []
-    resume = batching.resume
-    monkeypatch.setattr(batching, "resume", lambda engine, held: (resumed.append(engine.batch), resume(engine, held)))
+    move = batching.move_to_smaller
+
+    def moved(*args):
+        smaller, rows, seconds = move(*args)
+        resumed.append(smaller.batch)
+        return smaller, rows, seconds
+
+    monkeypatch.setattr(batching, "move_to_smaller", moved)
     init, warmed = ddtree.Engine.__init__, []
 
     def cold(engine, *args, **kwargs):  # every engine starts as a compiled one does: needing its warm-up, whose
@@ -240,3 +246,4 @@ def test_bf16_hybrid_moe_ddtree_equals_ar(tmp_path, one_thread):
         ar = greedy(target, None, prompt, method="ar", max_new_tokens=24)
         tree = greedy(target, drafter, prompt, budget=16, max_new_tokens=24)
         assert tree.tokens == ar.tokens
+

@@ -144,6 +144,6 @@ def test_dflash2_round_traces_whole(models, monkeypatch):
     for round_fn in (engine.round, torch.compile(engine.round, backend="aot_eager", fullgraph=True)):
         with torch.inference_mode():
             engine.start([prompt], [3])
-            outs.append(round_fn(engine.token, engine.position, *engine.randomness()))
+            outs.append(round_fn(engine.requests.token, engine.requests.position, *engine.randomness()))
     for a, b in zip(outs[0][:4], outs[1][:4]):
         assert torch.equal(a, b)

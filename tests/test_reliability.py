@@ -117,9 +117,9 @@ def test_target_layer_ids_are_read_in_their_listed_order(pair, files, tmp_path):
             a, b, c = (generate(target, d, prompt, method=method, budget=budget, max_new_tokens=30, stop_ids=[])
                        for d in (drafter, swapped, reordered))
             assert a.tokens == b.tokens == c.tokens  # lossless whatever the drafter
-            assert a.stats["verified"] == b.stats["verified"]
+            assert a.stats["path_lengths"] == b.stats["path_lengths"]
             same += 1
-            different += a.stats["verified"] != c.stats["verified"]
+            different += a.stats["path_lengths"] != c.stats["path_lengths"]
     assert different > 0  # the order is not ignored
 
 
@@ -143,8 +143,8 @@ def test_stats_count_only_emitted_tokens(pair, method):
         res = generate(target, d, [3, 4, 5], method=method, max_new_tokens=n, stop_ids=[])
         s = res.stats
         assert len(res.tokens) == s["new_tokens"] == n
-        assert sum(s["accepted"]) == n - 1 and len(s["accepted"]) == len(s["verified"]) == s["rounds"]
-        assert all(1 <= a <= v for a, v in zip(s["accepted"], s["verified"]))
+        assert sum(s["accepted"]) == n - 1 and len(s["accepted"]) == len(s["path_lengths"]) == s["rounds"]
+        assert all(1 <= a <= v for a, v in zip(s["accepted"], s["path_lengths"]))
         assert s["tau"] == (sum(s["accepted"]) / s["rounds"] if s["rounds"] else 0.0)
     full = generate(target, d, [3, 4, 5], method=method, max_new_tokens=40, stop_ids=[]).tokens
     stop = full[9]

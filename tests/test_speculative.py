@@ -155,10 +155,10 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
     assert greedy(other, drafters[5], cases[1][0], max_new_tokens=30, compile="max-autotune", **kw).tokens == eager
     assert not inductor.freezing and not inductor.max_autotune
     # A run's first step, the one that can compile, checks every guard under the autotune options; the later
-    # ones skip the guards and set nothing (compiling.call_compiled).
-    calls, call = [], compiling.call_compiled
-    monkeypatch.setattr(compiling, "call_compiled", lambda fn, args, options, check_guards:
-                        calls.append((options, check_guards)) or call(fn, args, options, check_guards))
+    # ones skip the guards and set nothing (compiling.guards).
+    calls, guards = [], compiling.guards
+    monkeypatch.setattr(compiling, "guards", lambda options, check: calls.append((options, check)) or
+                        guards(options, check))
     res = greedy(other, drafters[5], cases[1][0], max_new_tokens=30, compile="max-autotune", **kw)
     assert res.tokens == eager
     options = cpu.AUTOTUNE_OPTIONS
@@ -178,7 +178,7 @@ def test_engine_decides_tree_builder_and_attention_once(models):
         masks = (engine.decode_mask, *engine.draft_masks.values(), engine.verify_mask)
         assert engine.build_tree is builder and all(m.dense == dense for m in masks)
         assert isinstance(engine.verify_mask.set(3), torch.Tensor) == dense
-        assert engine.prefill_mask.dense and engine.prefill_step == engine._prefill_step
+        assert engine.prefill_mask.dense and engine.prefill_step.__func__ is Engine.prefill_step
         assert cpu.start_cpu_isa_probe.cache_info().currsize == int(bool(compile))  # started by compiled engines
     # compiled CPU engines load the attention kernel, and their float32 rounds run it (cpu.cpu_kernel_applies)
     assert cpu.cpu_kernel_loaded
@@ -330,7 +330,7 @@ def test_compiled_engines_run_their_own_models(files, models, tmp_path, mode=Tru
 
 def test_guards_are_checked_at_each_runs_first_step(files, models, tmp_path, monkeypatch):
     # After a run's first step, a compiled engine's steps check only the guards that tell graphs apart
-    # (Engine.run_round). Two targets with the same weights whose graphs differ only in a constant (the norms'
+    # (Engine.step). Two targets with the same weights whose graphs differ only in a constant (the norms'
     # eps, folded into the graph; the weights are graph inputs, shared): each run's first step checks every guard,
     # so each compiled run recompiles or picks its own graph and gives its own eager tokens, alternated; once both
     # are compiled nothing recompiles. A run of R rounds skips the guards at R - 1 of them, and eager runs never.
