@@ -27,6 +27,7 @@ import threading
 import time
 import warnings
 import weakref
+from typing import Any, Protocol
 
 if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 quietly; main() takes over from there
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
@@ -158,6 +159,30 @@ def finite_rows(x: torch.Tensor) -> torch.Tensor:
 # The engine: its masks and compiled steps, the requests' steps, the five stages of a round, the prefill
 
 
+class Target(Protocol):
+    """What the engine (with batch.py, budget.py, settings.py) asks of a target model: model.Qwen3 is one, and a new
+    family is one module with these members plus its loader. Every tensor argument has the batch first."""
+    config: Any  # a dataclass: vocab_size, and what model.position_limit reads (max_position_embeddings, rope_scaling)
+    eos_ids: list[int]  # the default stop tokens
+    embed_tokens: torch.nn.Module  # the drafter embeds and reads out through the target's own embedding and head
+    lm_head: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    recurrent: bool  # whether it keeps recurrent state (then a catch-up cannot run committed tokens twice)
+
+    def __call__(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(),
+                 recurrent=None) -> tuple:
+        """Tokens [N, Q] at RoPE positions input_pos written to cache slots cache_pos, attending under a
+        tree_attn.PrefixMask's BlockMask -> (float logits of the logits_rows [N, k] (every row: None), the
+        outputs of feature_layers concatenated [N, Q, F] or None). recurrent: a gated_delta.Recurrent."""
+
+    def setup_cache(self, length: int, batch: int): ...  # caches for `batch` requests of `length` slots
+    def kv_caches(self): ...  # every K and V cache [N, heads, slots, dim], which compact_kv and batch.take move
+    def state_tensors(self): ...  # every recurrent tensor (request = dim 0), which batch.take moves
+    def reset_recurrent(self): ...  # empty recurrent state before a prefill
+    def commit_recurrent(self, recurrent, path, length): ...  # the state after the accepted path of a verify
+
+
 class Engine:
     """One (target, drafter, method, settings, batch size): static caches sized once for `batch` requests of
     `max_seq_len` slots, masks whose tensors are updated in place, the step functions (compiled once, then reused
@@ -167,7 +192,7 @@ class Engine:
 
     # -- construction ---------------------------------------------------------------------------------------------
 
-    def __init__(self, target: Qwen3, drafter: DFlashDrafter | None, method: str, sampling: Sampling,
+    def __init__(self, target: Target, drafter: DFlashDrafter | None, method: str, sampling: Sampling,
                  spec: Speculation, max_seq_len: int, compile: bool | str, batch: int = 1, tally=None):
         self.target, self.drafter, self.method, self.sampling, self.spec = target, drafter, method, sampling, spec
         self.device, self.max_seq_len, self.batch, self.compiled = target.device, max_seq_len, batch, compile

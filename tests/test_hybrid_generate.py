@@ -247,3 +247,45 @@ def test_bf16_hybrid_moe_ddtree_equals_ar(tmp_path, one_thread):
         tree = greedy(target, drafter, prompt, budget=16, max_new_tokens=24)
         assert tree.tokens == ar.tokens
 
+
+class OnlyTarget:
+    """A target that shows the engine only the members ddtree.Target lists: any other is an AttributeError."""
+
+    def __init__(self, model):
+        import ddtree
+        self.model = model
+        self.members = {n for n in [*vars(ddtree.Target), *ddtree.Target.__annotations__] if not n.startswith("_")}
+
+    def __getattr__(self, name):
+        if name not in self.members:
+            raise AttributeError(f"the engine asked the target for {name!r}, which ddtree.Target does not list")
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def test_the_engine_asks_of_a_target_only_what_ddtree_target_lists(pair, monkeypatch):
+    """A batch that shrinks as its requests end (moving caches and recurrent states), on a hybrid target seen
+    through ddtree.Target's members alone, gives the tokens of the real target's run."""
+    import batch as batching
+    import ddtree
+    _, target, drafter, _ = pair
+    seen = OnlyTarget(target)
+    ps, stop = prompts(3, seed=9), {0}  # one request ends at its first round, the two others run on
+    moved, move = [], batching.move_to_smaller
+    monkeypatch.setattr(batching, "move_to_smaller", lambda *args: moved.append(args[0].batch) or move(*args))
+    for method, budget in (("ddtree", 8), ("dflash", None), ("ar", None)):
+        spec = ddtree.Speculation(budget=budget)
+        d = drafter if method != "ar" else None
+
+        def engine_for(longest, size, method=method, spec=spec, d=d):
+            length = ddtree.cache_length(longest, 30, method, spec, d)
+            return ddtree.get_engine(seen, d, method, ddtree.Sampling(), spec, length, False, size)
+
+        real = generate_batch(target, d, ps, method=method, budget=budget, max_new_tokens=30, stop_ids=[0])
+        with torch.inference_mode():  # the drafter is bound to the target (its embedding and head) by now
+            results = batching.run(engine_for, ps, [0, 1, 2], stop, 30, max_batch=4)
+        assert [r.tokens for r in results] == [r.tokens for r in real], method
+        assert moved.count(4) == 2, "the batch never shrank"  # the real run and the one through ddtree.Target
+        moved.clear()
