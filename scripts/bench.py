@@ -9,7 +9,7 @@ The cost of one round and of its parts (their code: scripts/bench_round.py)
   crossover   plain decoding's step beside a DDTree round per budget: the tau a pair must reach to break even
   sampling    a sampled round's per-row work at a real vocabulary: warping, drawing, sampling
   kernels     what a compiled decode step launches (fused kernels, GEMMs), per layer
-  callgraph   the repository's functions that one round runs, and the deepest chain from generate() to the attention
+  callgraph   the functions one round runs, the deepest chain from generate() to the attention, a whole generate()
   ar          our eager and compiled AR beside transformers' generate on the same random weights
 
 Models side by side (scripts/bench_models.py)

@@ -557,13 +557,15 @@ def callgraph_options(p):
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--eager-tree", action="store_true", help="the heap builder (an eager engine's) instead")
     p.add_argument("--list", action="store_true", help="print every function")
+    p.add_argument("--new-tokens", type=int, default=32, help="the whole generate()'s tokens")
 
 
 def callgraph(a):
     """What one DDTree round crosses: the repository's own functions that one round runs, per file, and the deepest
-    chain of calls from generate() to the attention. A reader's measure of how far one round spreads.
+    chain of calls from generate() to the attention; then the functions a whole greedy generate() runs on a warm
+    engine. A reader's measure of how far one round spreads.
 
-        python scripts/bench.py callgraph [--budget 16] [--eager-tree] [--list]
+        python scripts/bench.py callgraph [--budget 16] [--eager-tree] [--list] [--new-tokens 32]
 
     The round runs eagerly on the bundled pair (CPU), with the tree builder a compiled engine uses
     (draft_tree.build_tree; --eager-tree: the heap an eager engine uses), so the functions are those a compiled round
@@ -582,9 +584,17 @@ def callgraph(a):
           f"files: {', '.join(f'{f} {n}' for f, n in files.most_common())}")
     start = deepest.index("generate") if "generate" in deepest else 0
     print(f"generate -> attention: {len(deepest) - start} frames: {' > '.join(deepest[start:])}")
+    with torch.inference_mode():
+        whole = profile_generate(target, drafter, a.budget, a.new_tokens)
+    whole_named = {k: v for k, v in whole.items() if "<" not in k[1]}
+    print(f"a whole greedy generate() ({a.new_tokens} tokens, B = {a.budget}) on a warm engine: {len(whole_named)} named "
+          f"functions ({len(whole)} with lambdas and comprehensions) in {len({f for f, _ in whole_named})} files")
     if a.list:
         for (f, name), lines in sorted(named.items()):
             print(f"  {f:16s} {name:40s} {lines:4d} lines")
+        print("the whole generate() adds:")
+        for f, name in sorted(set(whole_named) - set(named)):
+            print(f"  {f:16s} {name}")
 
 
 def ours(filename: str) -> bool:
@@ -621,6 +631,26 @@ def profile_round(target, drafter, budget: int):
     finally:
         sys.setprofile(None)
     return seen, deepest
+
+
+def profile_generate(target, drafter, budget: int, new_tokens: int) -> dict:
+    """The repository's functions that a whole greedy generate() runs on a warm engine: {(file, qualified name):
+    source lines}."""
+    seen = {}
+
+    def hook(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and ours(code.co_filename):
+            seen[(os.path.relpath(code.co_filename, ROOT), code.co_qualname)] = source_lines(code)
+
+    prompt = list(range(5, 40))
+    ddtree.generate(target, drafter, prompt, budget=budget, max_new_tokens=new_tokens)  # the engine, warm
+    sys.setprofile(hook)
+    try:
+        ddtree.generate(target, drafter, prompt, budget=budget, max_new_tokens=new_tokens)
+    finally:
+        sys.setprofile(None)
+    return seen
 
 
 def source_lines(code) -> int:
