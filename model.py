@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch._inductor.config  # read while tracing: frozen graphs keep their layers inlined (run_layer)
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -276,12 +275,10 @@ class Linear(nn.Linear):
 
 
 # Layers compiled once (docs/compile.md, "Layers compiled once"). A model's layers run the same code on the same
-# shapes, but a whole-round graph traces, lowers and builds C++ kernels for each of them separately (inductor numbers
-# buffers per graph, so even identical kernels differ in their text). Under torch.compile every layer call goes
-# through one nested compile region instead: traced and built once per distinct layer (and shapes), then called per
-# layer with that layer's weights and caches as arguments. Frozen graphs (compile="max-autotune" on the CPU) keep
-# inlined layers: freezing prepacks weights that are graph constants, which a region's arguments are not.
-# False: every layer inlined.
+# shapes, but a whole-round graph traces, lowers and builds kernels for each of them separately. Under torch.compile
+# every layer call goes through one nested compile region instead: traced and built once per distinct layer (and
+# shapes), then called per layer with that layer's weights and caches as arguments. Read while tracing; False: every
+# layer inlined (cpu.compile_frozen's graphs: freezing needs the weights as graph constants).
 COMPILE_LAYERS_ONCE = True
 
 
@@ -311,26 +308,23 @@ def _recurrent_tree_once(layer, x, parents, anc, depth):
 
 
 def run_layer(layer, x, cos, sin, cache_pos, mask, recurrent=None):
-    """layer(x, ...), through the layers' one compiled region (see the switch above; outside a compiled graph the
-    region is a plain call). A recurrent layer's region takes the Recurrent's tensors and hands back what a tree
-    verify leaves for the commit (recurrent.pending)."""
-    once = COMPILE_LAYERS_ONCE and not torch._inductor.config.freezing
+    """layer(x, ...); under torch.compile through the layers' one compiled region (see the switch above). A
+    recurrent layer's region takes the Recurrent's tensors and hands back what a tree verify leaves for the commit
+    (recurrent.pending)."""
+    if not (COMPILE_LAYERS_ONCE and torch.compiler.is_compiling()):
+        return layer(x, cos, sin, cache_pos, mask, recurrent)
     if layer.recurrent:
-        if not once:
-            return layer(x, cos, sin, cache_pos, mask, recurrent)
         if recurrent is not None and recurrent.is_tree:
             x, *pending = _recurrent_tree_once(layer, x, recurrent.parents, recurrent.anc, recurrent.depth)
             recurrent.pending[layer.linear_attn.index] = tuple(pending)
             return x
         return _recurrent_chain_once(layer, x, None if recurrent is None else recurrent.valid)
-    if once:
-        if hasattr(mask, "prefix_tensors"):
-            # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the
-            # mask goes in as its tensors and is rebuilt inside, so each distinct layer is traced once.
-            return _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, *mask.prefix_tensors, mask.window or 0,
-                                           mask.context or 0)
-        return _layer_once(layer, x, cos, sin, cache_pos, mask)
-    return layer(x, cos, sin, cache_pos, mask)
+    if hasattr(mask, "prefix_tensors"):
+        # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the mask goes
+        # in as its tensors and is rebuilt inside, so each distinct layer is traced once.
+        return _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, *mask.prefix_tensors, mask.window or 0,
+                                       mask.context or 0)
+    return _layer_once(layer, x, cos, sin, cache_pos, mask)
 
 
 class Attention(nn.Module):

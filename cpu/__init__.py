@@ -11,6 +11,7 @@ the round (frozen and autotuned for compile="max-autotune": `compile_frozen`).
 - Eager CPU engines attend with SDPA under materialized masks (`dense_masks`).
 """
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -25,6 +26,7 @@ import torch._inductor.config  # read while tracing: the prepacked copies serve 
 import torch.nn as nn
 import torch.nn.functional as F
 
+import model as model_module
 from model import Attention, Linear
 
 
@@ -129,8 +131,24 @@ def compile_frozen(step):
     engine's step, so no other engine reuses these graphs. Dynamo reads `freezing` while it traces, at the first
     call (and at any recompile), not when torch.compile is called, and torch.compile(options=...) does not freeze
     (torch 2.13): so a caller sets the options around each call that may compile (compiling.guards), and
-    nothing else in the process sees them."""
-    return torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
+    nothing else in the process sees them. Every call runs with the layers inlined (layers_inlined)."""
+    compiled = torch.compile(lambda *args: step(*args), dynamic=False, fullgraph=True)
+
+    def frozen(*args):
+        with layers_inlined():
+            return compiled(*args)
+    return frozen
+
+
+@contextlib.contextmanager
+def layers_inlined():
+    """model.COMPILE_LAYERS_ONCE off while a frozen graph is traced (and called: dynamo guards on it). Freezing
+    prepacks weights that are graph constants, which a compiled region's arguments are not."""
+    saved, model_module.COMPILE_LAYERS_ONCE = model_module.COMPILE_LAYERS_ONCE, False
+    try:
+        yield
+    finally:
+        model_module.COMPILE_LAYERS_ONCE = saved
 
 
 @functools.cache

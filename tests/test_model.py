@@ -681,8 +681,9 @@ def test_bf16_load_peak_memory(ckpt, tmp_path):
 def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     """Under torch.compile each layer call goes through one nested compile region (traced as invoke_subgraph
     calls of a single subgraph, each layer's weights and caches passed in), with the outputs and cache writes of
-    the inlined layers; the switch off, and under freezing (whose prepacking needs the weights as constants),
-    every layer is inlined."""
+    the inlined layers; the switch off, as every frozen graph traces (cpu.compile_frozen: freezing's prepacking
+    needs the weights as constants), every layer is inlined."""
+    import cpu
     path, _ = ckpt("gqa3")
     m = load(path)
     ids = token_ids(12, seed=6)
@@ -710,7 +711,12 @@ def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     logits, bodies, caches = regions()
     assert len(bodies) == len(m.layers) >= 2 and len(set(bodies)) == 1
     assert max_diff(logits, ref) < 1e-5 and all(max_diff(a, b) < 1e-5 for a, b in zip(caches, ref_caches))
-    assert regions(freezing=True)[1] == []
+    with cpu.layers_inlined():
+        assert regions()[1] == []
+    assert model_mod.COMPILE_LAYERS_ONCE
+    seen = []  # what a frozen graph's trace reads of the switch
+    cpu.compile_frozen(lambda x: (seen.append(model_mod.COMPILE_LAYERS_ONCE), x + 1)[1])(torch.ones(2))
+    assert seen == [False] and model_mod.COMPILE_LAYERS_ONCE
     # A PrefixMask's BlockMask goes in as its tensors and is rebuilt inside: dynamo traces the region once and
     # reuses the trace for every later layer (a BlockMask argument would make it trace each layer again).
     from torch._dynamo.utils import compilation_time_metrics
