@@ -35,11 +35,9 @@ def flex_kernel_options(q_len: int, device_type: str) -> dict | None:
     """FlexAttention's kernel options for a call of q_len query rows, or None for its defaults.
 
     On CUDA, inductor sends a query of fewer than BLOCK rows (with a power-of-two GQA ratio) to its decoding
-    kernel. Under our masks that kernel is measured right for one row (plain decoding) and wrong for a few rows
-    (benchmarks/2026-12-04-h200-gpu_check_pair.json, torch 2.11: the bundled pair's 8-row chain and 17-row B = 16
-    tree left eager AR's tokens at the first round, compiled with or without CUDA graphs, while 65 rows through the
-    main kernel matched); from 33 rows at G = 4 it does not even compile (NoValidChoicesError, pytorch/pytorch#185349).
-    So every call of 2 to BLOCK - 1 rows (draft blocks, verifies) takes the main Triton kernel."""
+    kernel, which under our masks is right for one row (plain decoding) but not for a few rows, nor compiles for
+    some (docs/compile.md, "FlexAttention's kernel per query length"). So every call of 2 to BLOCK - 1 rows (draft
+    blocks, verifies) takes the main Triton kernel."""
     if device_type != "cuda" or q_len == 1 or q_len >= BLOCK:
         return None
     return {"BACKEND": "TRITON"} if "BACKEND" in FlexKernelOptions.__annotations__ else {
@@ -86,10 +84,8 @@ class PrefixMask:
         assert kv_len % BLOCK == 0, "cache length must be a multiple of the FlexAttention block"
         self.q_len, self.kv_len, self.dense, self.window, self.context = q_len, kv_len, dense, window, context
         self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
-        # Bytes, not bool: the round rewrites this matrix, and inductor's CPU code writes bool tensors many times
-        # slower than bytes (docs/compile.md, "allow matrix as bytes"). Nonzero = allowed. The compiled round
-        # writes it with pointwise ops only: compiled CPU FlexAttention (torch 2.13) reads a scatter-built matrix
-        # wrongly, and a bool-to-byte copy fails to lower (docs/compile.md, "writing the allow matrix").
+        # Bytes, not bool, nonzero = allowed, written with pointwise ops only (docs/compile.md, "Allow matrix as
+        # bytes", "Writing the allow matrix").
         self.allow = torch.zeros(batch, q_len, q_len, dtype=torch.uint8, device=device)
         n_q, n_kv = -(-q_len // BLOCK), kv_len // BLOCK
         self.n_kv = n_kv
@@ -113,15 +109,13 @@ class PrefixMask:
     def set(self, prefix, allow: torch.Tensor | None = None, slots: int | None = None):
         """Point the mask at new prefix lengths (one per request [N], or an int for all) and, optionally, new allow
         matrices ([q_len, q_len] for every request, or [N, q_len, q_len]). Compiled code passes both per request
-        ([N] and [N, q_len, q_len]): compiled CPU FlexAttention (torch 2.13) fails to lower a mask whose tensors
-        the graph broadcasts from fewer dimensions (NoValidChoicesError), as it fails on an allow matrix still
-        inlined as elementwise ops. With dense=True, `slots` (visible_slots of the longest prefix, when the
+        ([N] and [N, q_len, q_len]): compiled CPU FlexAttention cannot lower a mask whose tensors the graph
+        broadcasts (docs/compile.md, "The mask's prefix as a per-request tensor"). With dense=True, `slots` (visible_slots of the longest prefix, when the
         caller knows it) saves reading it from the device."""
         self.prefix.copy_(torch.as_tensor(prefix, dtype=torch.int64))
         if allow is not None:
-            # Inside a compiled graph the mask_mod reads `allow` itself, not the buffer. as_strided makes inductor
-            # store it first: torch 2.11's CPU FlexAttention lowering fails on a matrix still inlined as a chain of
-            # elementwise ops (NoValidChoicesError: "Pointwise" has no name), e.g. an even number of doublings.
+            # Inside a compiled graph the mask_mod reads `allow` itself, not the buffer: as_strided makes inductor
+            # store it first (docs/compile.md, "as_strided before the mask reads it").
             self.allow.copy_(allow.as_strided(allow.shape, allow.stride()))
         # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len), per request; those below
         # the prefix as full blocks. A window's or a context's rows see less: every block from that of the lowest
