@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from benchlib import (ROOT, batched_run, cpu_name, held_out_code, in_fresh_process, interleaved, interleaved_runs,
-                      long_windows, reset_peak, round_header, round_row, round_split, save_random_pair, status_mb, tree_verify,
-                      verify_ms, write_json)
+from benchlib import (ROOT, batched_run, best_of, cpu_name, held_out_code, in_fresh_process, interleaved,
+                      interleaved_runs, long_windows, reset_peak, round_header, round_row, round_split,
+                      save_random_pair, status_mb, tree_verify, verify_ms, write_json)
 import ddtree
 import gated_delta
 from budget import auto_budgets, cache_file, device_name
@@ -149,8 +149,8 @@ def split_table(target, drafter, a) -> dict:
 
 
 def one_step_tau(target, drafter, contexts, method, budget, denoise):
-    """Tokens the first speculative round after each real context accepted (its path length: drafts accepted + the bonus), uncut
-    by the token limit of 2."""
+    """Tokens the first speculative round after each real context accepted (its path length: drafts accepted + the
+    bonus), uncut by the token limit of 2."""
     spec = Speculation(denoise_steps=denoise)
     per = [generate(target, drafter, c, method=method, budget=budget if method == "ddtree" else None,
                     max_new_tokens=2, stop_ids=[], speculation=spec).stats["path_lengths"][0] for c in contexts]
@@ -405,18 +405,12 @@ def context_row(target, drafter, text, version, length, a) -> dict:
         engine.start([prompts[0][:64]], [0])  # first-call costs stay out of the timing
         seconds = []
         for prompt in prompts:  # a prompt's fastest of three starts: a busy machine only ever slows one down
-            seconds.append(min(timed(lambda: engine.start([prompt], [0])) for _ in range(3)))
+            seconds.append(best_of(lambda: engine.start([prompt], [0]), 3)[0])
     return dict(version=version, length=length, prefill_tokens_per_s=length / statistics.median(seconds),
                 ar_tokens_per_s=runs["ar"]["tokens_per_s"],
                 windows={w: dict(tau=runs[f"W{w}"]["tau"], same_tokens=runs[f"W{w}"]["same_tokens"],
                                  tokens_per_s=runs[f"W{w}"]["tokens_per_s"]) for w in a.windows},
                 prompts=len(prompts))
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def context_line(row, windows) -> str:
@@ -1047,6 +1041,6 @@ def calibrate(a):
     print(f"stored in {cache_file()}")
 
 
-COMMANDS = {"pair": (pair_options, pair), "context": (context_options, context), "official": (official_options, official), "moe": (moe_options, moe),
-            "hybrid": (hybrid_options, hybrid), "memory": (memory_options, memory),
-            "calibrate": (calibrate_options, calibrate)}
+COMMANDS = {"pair": (pair_options, pair), "context": (context_options, context),
+            "official": (official_options, official), "moe": (moe_options, moe), "hybrid": (hybrid_options, hybrid),
+            "memory": (memory_options, memory), "calibrate": (calibrate_options, calibrate)}

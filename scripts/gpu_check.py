@@ -433,8 +433,11 @@ def round_stages(run, target, drafter, budget: int, ar: dict | None = None) -> d
         return out
 
     if drafter.config.selector:  # a Lattice crosses the stages' edges as its two tensors
-        lattice = measure("draft", "ar", lambda b, s: (lambda lat: (lat.tokens, lat.scores))(engine.draft(b, s)),
-                          bonus, start)
+        def draft(b, s):
+            lattice = engine.draft(b, s)
+            return lattice.tokens, lattice.scores
+
+        lattice = measure("draft", "ar", draft, bonus, start)
         tokens, parents, depths = measure("tree", "tiny", lambda t, s: engine.propose(Lattice(t, s), None)[:3],
                                           *lattice)
     else:
