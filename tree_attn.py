@@ -110,8 +110,8 @@ class PrefixMask:
         """Point the mask at new prefix lengths (one per request [N], or an int for all) and, optionally, new allow
         matrices ([q_len, q_len] for every request, or [N, q_len, q_len]). Compiled code passes both per request
         ([N] and [N, q_len, q_len]): compiled CPU FlexAttention cannot lower a mask whose tensors the graph
-        broadcasts (docs/compile.md, "The mask's prefix as a per-request tensor"). With dense=True, `slots` (visible_slots of the longest prefix, when the
-        caller knows it) saves reading it from the device."""
+        broadcasts (docs/compile.md, "The mask's prefix as a per-request tensor"). With dense=True, `slots`
+        (visible_slots of the longest prefix, when the caller knows it) saves reading it from the device."""
         self.prefix.copy_(torch.as_tensor(prefix, dtype=torch.int64))
         if allow is not None:
             # Inside a compiled graph the mask_mod reads `allow` itself, not the buffer: as_strided makes inductor
