@@ -27,6 +27,7 @@ import threading
 import time
 import warnings
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 quietly; main() takes over from there
@@ -550,11 +551,11 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, ba
         return _ENGINES[key]
 
 
+@dataclass
 class InUse:
     """Which thread runs on a model: its caches hold that run's requests until it returns."""
-
-    def __init__(self):
-        self.lock, self.owner = threading.Lock(), None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    owner: int | None = None  # the thread's ident
 
 
 _IN_USE: "weakref.WeakKeyDictionary[torch.nn.Module, InUse]" = weakref.WeakKeyDictionary()
