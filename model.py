@@ -460,12 +460,10 @@ def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
 def tie_or_keep_head(model, path: str):
     """tie_word_embeddings: the lm_head is the embedding matrix, unless the file stores an lm_head.weight that
     differs from it: transformers then uses the stored head, and so do we, with a warning (a stored head equal to
-    the embeddings is tied: one copy)."""
+    the embeddings is tied: one copy). Under tensor parallel both hold this rank's rows of the vocabulary."""
     head, embed = model.lm_head.weight, model.embed_tokens.weight
-    rows = getattr(model.lm_head, "vocab_rows", None)  # tensor parallel: this rank's rows of the vocabulary
-    own = embed if rows is None else nn.Parameter(embed[rows[0]:rows[1]], requires_grad=embed.requires_grad)
-    if head is embed or head.is_meta or torch.equal(head, own):
-        model.lm_head.weight = own  # (a view of the embedding's rows under tensor parallel: no copy)
+    if head is embed or head.is_meta or torch.equal(head, embed):
+        model.lm_head.weight = embed
         return
     warnings.warn(f"{path}: config.json ties the lm_head to the embeddings (tie_word_embeddings: true), but the file "
                   f"stores an lm_head.weight that differs from them: the stored lm_head is used, as transformers "

@@ -16,9 +16,11 @@ output. The model files keep their code; only sizes change:
 - Gated DeltaNet by heads: this rank's key heads and the value heads they serve, i.e. its q, k and v segments of
   in_proj_qkv and of the conv channels, its rows of in_proj_z / in_proj_b / in_proj_a, its A_log and dt_bias, and
   its columns of out_proj;
-- the lm_head by vocabulary, each rank's logits all-gathered, so every rank holds the same full logits and draws
-  the same tokens from the same seeds;
-- the embedding, the norms and the drafter replicated.
+- the embedding by vocabulary, each rank looking up the ids in its rows, the rows summed over the ranks (one
+  all-reduce per forward; the drafter's forward embeds through the target's embedding: one more);
+- the lm_head by the same rows (a tied lm_head is the embedding's own parameter), each rank's logits
+  all-gathered, so every rank holds the same full logits and draws the same tokens from the same seeds;
+- the norms and the drafter replicated.
 
 A sublayer's output on a rank is a partial sum over its heads or intermediate slice: one all-reduce after each
 attention / Gated DeltaNet and after each MLP / MoE (2 per layer per forward) makes it whole, plus one all-gather
@@ -196,18 +198,43 @@ def all_reduce_output(module, args, output):
     return funcol.all_reduce(output, "sum", dist.group.WORLD)
 
 
+def vocab_rows(vocab: int) -> tuple[int, int]:
+    """This rank's rows [start, stop) of the vocabulary: shares of ceil(vocab / ranks), the last rank's shorter
+    when the ranks do not divide it (the embedding and the lm_head take the same rows, so a tied head is the
+    embedding's own parameter)."""
+    share = -(-vocab // world_size())
+    start = min(rank() * share, vocab)
+    return start, min(start + share, vocab)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding by vocabulary: this rank's rows (vocab_rows). A rank looks up the ids in its rows and gives
+    zeros for the others; the all-reduce sums the ranks' rows, exactly (every id's row is nonzero on one rank)."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.vocab_rows = vocab_rows(vocab)
+        self.weight = nn.Parameter(torch.empty(self.vocab_rows[1] - self.vocab_rows[0], hidden, device="meta"))
+
+    def forward(self, ids):
+        start, stop = self.vocab_rows
+        here = (ids >= start) & (ids < stop)
+        local = torch.where(here, ids - start, 0)
+        rows = F.embedding(local, self.weight) if stop > start else self.weight.new_zeros(*ids.shape,
+                                                                                           self.weight.shape[1])
+        return funcol.all_reduce(torch.where(here[..., None], rows, 0), "sum", dist.group.WORLD)
+
+
 class VocabParallelHead(nn.Module):
-    """The lm_head by vocabulary: this rank's rows [start, stop) of the vocabulary (vocab_rows); the forward
-    all-gathers every rank's logits, so every rank returns the same full [..., vocab] logits. The vocabulary is
-    cut into world_size() shares of ceil(vocab / ranks) (the last rank's shorter, padded with zero logits for the
-    gather and cut off after)."""
+    """The lm_head by vocabulary: this rank's rows of the vocabulary (vocab_rows). The forward all-gathers every
+    rank's logits, so every rank returns the same full [..., vocab] logits (the last rank's share padded with zero
+    logits for the gather and cut off after); argmax gathers only each rank's best logit and its index."""
 
     def __init__(self, hidden: int, vocab: int):
         super().__init__()
         self.vocab, self.share = vocab, -(-vocab // world_size())
-        start = min(rank() * self.share, vocab)
-        self.vocab_rows = (start, min(start + self.share, vocab))
-        self.weight = nn.Parameter(torch.empty(self.vocab_rows[1] - start, hidden, device="meta"))
+        self.vocab_rows = vocab_rows(vocab)
+        self.weight = nn.Parameter(torch.empty(self.vocab_rows[1] - self.vocab_rows[0], hidden, device="meta"))
 
     def forward(self, x):
         y = F.linear(x, self.weight)
@@ -216,6 +243,23 @@ class VocabParallelHead(nn.Module):
         # gathered along a leading dimension (the collective's own layout), then moved back last
         y = funcol.all_gather_single(y.movedim(-1, 0).contiguous(), 0, dist.group.WORLD)
         return y.movedim(0, -1)[..., :self.vocab]
+
+    def argmax(self, x, dtype: torch.dtype):
+        """(each row's argmax over the whole vocabulary [...] int64, whether all its logits are finite [...]) of
+        the logits in `dtype`, as torch.argmax of the gathered logits gives it, ties to the lowest index included:
+        each rank's argmax of its rows (the lowest of its tied indices), one all-gather of (value, global index,
+        finite) per rank and row, and the first rank with the greatest value (the lowest global index among equal
+        values, the ranks' rows being in order). A NaN is the greatest value, as torch.argmax takes it."""
+        y = F.linear(x, self.weight).to(dtype)
+        finite = torch.isfinite(y).all(-1)
+        if y.shape[-1] < self.share:  # (an empty or short share: -inf never beats a logit of another rank)
+            y = F.pad(y, (0, self.share - y.shape[-1]), value=-torch.inf)
+        index = y.argmax(-1)
+        value = y.gather(-1, index[..., None])[..., 0]
+        best = torch.stack([value, (index + self.vocab_rows[0]).to(dtype), finite.to(dtype)])
+        best = funcol.all_gather_single(best.contiguous(), 0, dist.group.WORLD).unflatten(0, (world_size(), 3))
+        winner = best[:, 0].argmax(0, keepdim=True)
+        return best[:, 1].gather(0, winner)[0].long(), best[:, 2].amin(0) > 0
 
 
 def shard(model) -> Plan:
@@ -237,7 +281,9 @@ def shard(model) -> Plan:
         for sublayer in (mixer, block.mlp):
             sublayer.register_forward_hook(all_reduce_output)
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    model.embed_tokens = VocabParallelEmbedding(vocab, hidden)
     model.lm_head = VocabParallelHead(hidden, vocab)
+    plan["embed_tokens.weight"] = (0, vocab, [model.embed_tokens.vocab_rows])
     plan["lm_head.weight"] = (0, vocab, [model.lm_head.vocab_rows])
     return plan
 

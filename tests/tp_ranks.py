@@ -39,7 +39,7 @@ class Collectives(TorchDispatchMode):
 
 
 def parameter_bytes(model) -> int:
-    """Bytes of the model's distinct parameter storages (a tied lm_head's view of the embedding counts once)."""
+    """Bytes of the model's distinct parameter storages (a tied lm_head, the embedding's own parameter, counts once)."""
     seen = {}
     for p in model.parameters():
         seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
@@ -47,11 +47,9 @@ def parameter_bytes(model) -> int:
 
 
 def oversized(model) -> list[str]:
-    """The parameters whose storage holds more than their own elements (a shard that kept the whole tensor it was
-    cut from alive), but for a tied lm_head, a view of the embedding's rows by design."""
-    tied = model.lm_head.weight.untyped_storage().data_ptr() == model.embed_tokens.weight.untyped_storage().data_ptr()
-    return [n for n, p in model.named_parameters() if p.untyped_storage().nbytes() > p.numel() * p.element_size()
-            and not (tied and n == "lm_head.weight")]
+    """The parameters whose storage holds more than their own elements: a shard that kept the whole tensor it was
+    cut from alive."""
+    return [n for n, p in model.named_parameters() if p.untyped_storage().nbytes() > p.numel() * p.element_size()]
 
 
 def main(cases_file: str, out: str):
@@ -62,8 +60,10 @@ def main(cases_file: str, out: str):
             target = Qwen3.from_pretrained(case["target"], device="cpu", dtype=torch.float64)
             drafter = DFlashDrafter.from_pretrained(case["draft"], device="cpu", dtype=torch.float64)
             loaded[case["target"]] = target, drafter
-            record["shapes"][case["target"]] = {n: list(p.shape) for n, p in target.named_parameters()}
+            record["shapes"][case["target"]] = {n: list(p.shape) for n, p in
+                                               target.named_parameters(remove_duplicate=False)}
             record["bytes"][case["target"]] = parameter_bytes(target)
+            record.setdefault("tied", {})[case["target"]] = target.lm_head.weight is target.embed_tokens.weight
             # in the file's dtype (float32), where the loader's cast copies nothing
             record.setdefault("oversized", {})[case["target"]] = oversized(Qwen3.from_pretrained(case["target"]))
         target, drafter = loaded[case["target"]]
