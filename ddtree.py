@@ -172,10 +172,12 @@ class Target(Protocol):
     recurrent: bool  # whether it keeps recurrent state (then a catch-up cannot run committed tokens twice)
 
     def __call__(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(),
-                 recurrent=None) -> tuple:
+                 recurrent=None, argmax=False) -> tuple:
         """Tokens [N, Q] at RoPE positions input_pos written to cache slots cache_pos, attending under a
         tree_attn.PrefixMask's BlockMask -> (float logits of the logits_rows [N, k] (every row: None), the
-        outputs of feature_layers concatenated [N, Q, F] or None). recurrent: a gated_delta.Recurrent."""
+        outputs of feature_layers concatenated [N, Q, F] or None). recurrent: a gated_delta.Recurrent. argmax:
+        in place of the logits, the pair (their argmax [N, k], whether each row's logits are all finite [N, k]),
+        all that a greedy pick reads (a target split over ranks by vocabulary then gathers no logits)."""
 
     def setup_cache(self, length: int, batch: int): ...  # caches for `batch` requests of `length` slots
     def kv_caches(self): ...  # every K and V cache [N, heads, slots, dim], which compact_kv and batch.take move
@@ -363,7 +365,7 @@ class Engine:
         positions = start[:, None] + torch.cat([depths[:, :1] * 0, depths], dim=1)
         slots = start[:, None] + torch.arange(self.tree_size + 1, device=rows.device)
         logits, features = self.target(rows, positions, slots, mask, feature_layers=self.feature_layers,
-                                       recurrent=recurrent)
+                                       recurrent=recurrent, argmax=self.sampling.greedy)
         return rows, positions, logits, features
 
     def accept(self, logits, tokens, parents, q, noise, accept_u):
@@ -396,7 +398,7 @@ class Engine:
         recurrent target, whose drafter cannot catch up later), the token's features extend its context."""
         logits, features = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start),
                                        feature_layers=self.feature_layers,
-                                       recurrent=Recurrent.chain(torch.ones_like(start)))
+                                       recurrent=Recurrent.chain(torch.ones_like(start)), argmax=self.sampling.greedy)
         if self.drafter is not None:
             self.drafter.append_context(features, start[:, None], start[:, None])
         next_token, ok = self.pick(logits, noise)
@@ -442,20 +444,21 @@ class Engine:
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         mask = self.prefill_mask.set(start, slots=slots)
         logits, features = self.target(tokens, positions, positions, mask, logits_rows=last_row,
-                                       feature_layers=self.feature_layers, recurrent=Recurrent.chain(valid))
+                                       feature_layers=self.feature_layers, recurrent=Recurrent.chain(valid),
+                                       argmax=self.sampling.greedy)
         if self.drafter is not None:  # the prompt is the drafter's first context
             self.drafter.append_context(features, positions, positions)
         return self.pick(logits, noise)
 
     def pick(self, logits, noise):
-        """The target's token at each row of float32 logits [N, R, V] (argmax when greedy, else a warped sample),
-        and whether each request's draw was sound: every logit finite and every chosen token of positive, finite
-        probability (no silent token 0 from a NaN distribution)."""
-        ok = finite_rows(logits)
+        """The target's token at each row of float32 logits [N, R, V] (when greedy, the target's argmax pair
+        instead: Target.__call__'s argmax), and whether each request's draw was sound: every logit finite and
+        every chosen token of positive, finite probability (no silent token 0 from a NaN distribution)."""
         if self.sampling.greedy:
-            return logits.argmax(-1), ok
+            tokens, finite = logits
+            return tokens, finite.flatten(1).all(1)
         tokens, sound = sample_rows(logits, noise, self.sampling)
-        return tokens, ok & sound
+        return tokens, finite_rows(logits) & sound
 
     # -- randomness: drawn outside the compiled graph from each request's seeded generator ------------------------
 

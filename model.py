@@ -470,6 +470,15 @@ def tie_or_keep_head(model, path: str):
                   f"uses it")
 
 
+def greedy_choices(head, hidden) -> tuple:
+    """(each row's argmax token, whether all its logits are finite) of head(hidden)'s logits in the compute dtype;
+    a vocabulary split over tensor parallel ranks finds them without gathering the logits."""
+    if hasattr(head, "argmax"):
+        return head.argmax(hidden, compute_dtype(hidden.dtype))
+    logits = head(hidden).to(compute_dtype(hidden.dtype))
+    return logits.argmax(-1), torch.isfinite(logits).all(-1)
+
+
 def layer_kv_caches(layers):
     """Each attention layer's K and V cache, in order (recurrent layers have none)."""
     for layer in layers:
@@ -542,7 +551,8 @@ class Qwen3(nn.Module):
         read. A no-op for a model without recurrent layers."""
         commit_tree(self.recurrent_layers(), recurrent, path, length)
 
-    def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), recurrent=None):
+    def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), recurrent=None,
+                argmax=False):
         """tokens, input_pos, cache_pos: [N, Q] int64 (request n's rows, their RoPE positions and cache slots in
         cache row n), or [Q] for one request. Returns (float32 logits [N, len(logits_rows) or Q, V] (float64 for a
         float64 model), features [N, Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers,
@@ -550,12 +560,15 @@ class Qwen3(nn.Module):
         of (or [k]). recurrent: a gated_delta.Recurrent for models with recurrent layers (Recurrent.chain(valid)
         for a prefill chunk or decode step: their states advance in place over the valid rows;
         Recurrent.tree(parents, anc) for a verify: states untouched, recurrent.pending filled for
-        commit_recurrent); None means a chain of all-valid rows. Models without recurrent layers ignore it."""
+        commit_recurrent); None means a chain of all-valid rows. Models without recurrent layers ignore it.
+        argmax: in place of the logits, the pair (each row's argmax token, whether all its logits are finite), which
+        under tensor parallel gathers no logits (tp.VocabParallelHead.argmax)."""
         if tokens.dim() == 1:
             rows = None if logits_rows is None else logits_rows[None]
             logits, features = self(tokens[None], input_pos[None], cache_pos[None], block_mask, rows, feature_layers,
-                                    recurrent)
-            return logits[0], (None if features is None else features[0])
+                                    recurrent, argmax)
+            logits = tuple(t[0] for t in logits) if argmax else logits[0]
+            return logits, (None if features is None else features[0])
         x = self.embed_tokens(tokens)
         cos, sin = (t[:, None] for t in rope_cos_sin(input_pos, self.inv_freq, self.rope_attention_factor, x.dtype))
         outputs, last = {}, len(self.layers) - 1
@@ -567,7 +580,8 @@ class Qwen3(nn.Module):
                 outputs[i] = self.norm(x) if i == last else x
         if logits_rows is not None:
             x = x.gather(1, logits_rows[..., None].expand(-1, -1, x.shape[-1]))
-        logits = self.lm_head(self.norm(x)).to(compute_dtype(x.dtype))
+        logits = greedy_choices(self.lm_head, self.norm(x)) if argmax else \
+            self.lm_head(self.norm(x)).to(compute_dtype(x.dtype))
         # In the listed order, repeats included: the drafter's fc columns follow its target_layer_ids list.
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return logits, features

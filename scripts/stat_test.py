@@ -346,9 +346,10 @@ def _walk_tree_own_row(parents, tokens, target, max_depth):
 def _pick_unwarped(self, logits, noise):
     """Engine.pick with the bug: a round's rows (more than one per request) are sampled without top-k / top-p /
     min-p."""
-    ok = finite_rows(logits)
     if self.sampling.greedy:
-        return logits.argmax(-1), ok
+        tokens, finite = logits
+        return tokens, finite.flatten(1).all(1)
+    ok = finite_rows(logits)
     if logits.shape[1] > 1:
         return sample((logits.float() / self.sampling.temperature).softmax(-1), noise), ok  # BUG: not warped
     return sample(warp_probs(logits, self.sampling), noise), ok

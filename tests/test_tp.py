@@ -35,6 +35,15 @@ RANKS_TIMEOUT = 120  # seconds; the launch takes about 10
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
+# Logits rows over a vocabulary of 17 (rank 0 holds ids 0-8, rank 1 ids 9-16) with their ties planted: torch.argmax
+# of the whole row takes the lowest index among equal maxima, and an all-NaN row's index 0.
+TIES = [[0.0] * 8 + [2.0, 2.0] + [0.0] * 7,  # across the shards' boundary: 8
+        [0.0] * 3 + [5.0] + [0.0] * 8 + [5.0] + [0.0] * 4,  # one in each shard: 3
+        [1.0] * 10 + [4.0] + [1.0] * 4 + [4.0, 1.0],  # both in rank 1's shard, over rank 0's best: 10
+        [-3.0] * 17,  # every logit: 0
+        [float("nan")] * 17]  # not finite: 0
+
+
 def write_dense(path, heads=4):
     tc = qwen3_config(17, hidden=64, inter=96, layers=2, heads=heads, kv_heads=1, head_dim=16, tie=True,
                       eos=(1, 0))
@@ -77,7 +86,7 @@ def cases(paths: dict) -> dict:
         run.update(target=paths[run["kind"]] + "/target", draft=paths[run["kind"]] + "/draft", prompt=PROMPT,
                    max_new_tokens=16)
     bad = paths["bad"] + "/target"
-    return dict(runs=runs, cli=[["--prompt", "hello", "--no-chat", "--json", "--budget", "4", "--max-new-tokens", "6"],
+    return dict(runs=runs, ties=TIES, cli=[["--prompt", "hello", "--no-chat", "--json", "--budget", "4", "--max-new-tokens", "6"],
                                 ["--prompt", "hello", "--target", bad, "--method", "ar", "--no-chat"],
                                 ["--prompt", "hello", "--target", paths["misshapen"] + "/target", "--method", "ar",
                                  "--no-chat"]])
@@ -172,8 +181,9 @@ def test_each_rank_holds_only_its_shard(runs):
 
 def test_one_all_reduce_per_sublayer_and_embedding_one_gather_per_forward(runs):
     """A ddtree run is one prefill forward (the prompt fits one chunk) and per round a drafter forward (its
-    embedding is the target's: one all-reduce; its logits through the target's lm_head: one all-gather) and a
-    verify forward (2 all-reduces per layer, one for the embedding, one all-gather)."""
+    embedding is the target's: one all-reduce; its logits through the target's lm_head: one all-gather of the
+    logits) and a verify forward (2 all-reduces per layer, one for the embedding, one all-gather). A target's
+    forward in a greedy run gathers each rank's best logit, index and finiteness per row, not the logits."""
     spec, seen = runs
     for i, run in enumerate(spec["runs"]):
         config = json.load(open(run["target"] + "/config.json"))
@@ -184,6 +194,18 @@ def test_one_all_reduce_per_sublayer_and_embedding_one_gather_per_forward(runs):
             assert case["collectives"]["all_reduce"] == (2 * layers + 1) * forwards + case["rounds"], (run["kind"],
                                                                                                        case)
             assert case["collectives"]["all_gather_into_tensor"] == forwards + case["rounds"], (run["kind"], case)
+            greedy = run.get("temperature", 0.0) == 0
+            logits = {str(case["share"]): case["rounds"] + (0 if greedy else forwards)}
+            assert case["gathered"] == ({**logits, "3": forwards} if greedy else logits), (run["kind"], case)
+
+
+def test_greedy_pick_without_the_logits_breaks_ties_as_argmax_of_the_whole_row(runs):
+    """Each rank's best (value, index), gathered, give torch.argmax's token of the whole row on every rank."""
+    whole = torch.tensor(TIES, dtype=torch.float64)
+    assert whole.argmax(-1).tolist() == [8, 3, 10, 0, 0]
+    for rank in runs[1]:
+        assert rank["greedy_pick"] == dict(tokens=whole.argmax(-1).tolist(),
+                                           finite=torch.isfinite(whole).all(-1).tolist())
 
 
 def test_command_line_under_torchrun(runs):

@@ -25,16 +25,21 @@ from model import Qwen3  # noqa: E402
 
 
 class Collectives(TorchDispatchMode):
-    """Counts the functional collectives (torch.ops._c10d_functional) that run while active, by name."""
+    """Counts the functional collectives (torch.ops._c10d_functional) that run while active, by name, and the
+    all-gathers by the leading size of what each rank gives (a share of the vocabulary's logits, or 3: the greedy
+    pick's value, index and finiteness)."""
 
     def __init__(self):
         super().__init__()
-        self.counts = {}
+        self.counts, self.gathered = {}, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "_c10d_functional":
             name = func.overloadpacket.__name__
             self.counts[name] = self.counts.get(name, 0) + 1
+            if name == "all_gather_into_tensor":
+                rows = str(args[0].shape[0])
+                self.gathered[rows] = self.gathered.get(rows, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -50,6 +55,18 @@ def oversized(model) -> list[str]:
     """The parameters whose storage holds more than their own elements: a shard that kept the whole tensor it was
     cut from alive."""
     return [n for n, p in model.named_parameters() if p.untyped_storage().nbytes() > p.numel() * p.element_size()]
+
+
+def greedy_pick(rows: list) -> dict:
+    """tp.VocabParallelHead.argmax of logits `rows` [R, V]: the head is the identity of the vocabulary (this rank's
+    rows of it), so that its logits are the rows themselves, ties as planted."""
+    rows = torch.tensor(rows, dtype=torch.float64)
+    vocab = rows.shape[-1]
+    head = tp.VocabParallelHead(vocab, vocab)
+    start, stop = head.vocab_rows
+    head.weight = torch.nn.Parameter(torch.eye(vocab, dtype=torch.float64)[start:stop])
+    tokens, finite = head.argmax(rows, torch.float64)
+    return dict(tokens=tokens.tolist(), finite=finite.tolist())
 
 
 def main(cases_file: str, out: str):
@@ -71,7 +88,9 @@ def main(cases_file: str, out: str):
             res = generate(target, drafter, case["prompt"], method=case["method"], budget=case.get("budget"),
                            max_new_tokens=case["max_new_tokens"], temperature=case.get("temperature", 0.0),
                            seed=case.get("seed"), stop_ids=[])
-        record["cases"].append(dict(tokens=res.tokens, rounds=res.stats["rounds"], collectives=seen.counts))
+        record["cases"].append(dict(tokens=res.tokens, rounds=res.stats["rounds"], collectives=seen.counts,
+                                    gathered=seen.gathered, share=target.lm_head.share))
+    record["greedy_pick"] = greedy_pick(cases["ties"])
     target, drafter = loaded[cases["runs"][0]["target"]]
     try:
         generate(target, drafter, [1, 2], budget="auto", max_new_tokens=2)
