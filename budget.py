@@ -37,6 +37,7 @@ from dataclasses import asdict, replace
 
 import torch
 
+import tp
 from model import position_limit
 from settings import AUTO_BUDGETS, Speculation
 from tree_attn import round_up
@@ -163,7 +164,7 @@ def round_times(engine, prompt_len: int) -> list[float]:
     for i in range(2 + CALIBRATE_ROUNDS):
         t0 = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        times.append(tp.slowest(time.perf_counter() - t0, engine.device))
     return times[2:]
 
 
@@ -258,12 +259,14 @@ class AutoBudget:
         if self.warm and not recalibrate:
             return 0.0
         t0 = time.perf_counter()
-        self.calibrated = None if recalibrate else load_costs(self.key)
+        # tensor parallel: rank 0's file decides (the ranks' files may differ), and rank 0 alone writes
+        self.calibrated = None if recalibrate else tp.same_on_every_rank([load_costs(self.key)])[0]
         self.calibrated_now = self.calibrated is None or set(self.calibrated) != {name(c) for c in self.engines}
         if self.calibrated_now:
             prompt_len = max(1, min(CALIBRATE_PROMPT, self.any.max_seq_len - self.scratch()))
             self.calibrated = calibrate(self.engines, self.block_size, prompt_len)
-            save_costs(self.key, self.calibrated)
+            if tp.rank() == 0:
+                save_costs(self.key, self.calibrated)
         self.calibrate_seconds = time.perf_counter() - t0 if self.calibrated_now else 0.0
         ar = self.calibrated["ar"]
         self.viable = [c for c in self.engines if c == "ar" or (
@@ -308,7 +311,7 @@ class AutoBudget:
         engine.adopt(self.current.requests)  # the caches are shared: the requests are all there is to hand over
         t0 = time.perf_counter()
         new = engine.step()
-        seconds = time.perf_counter() - t0
+        seconds = tp.slowest(time.perf_counter() - t0, engine.device)
         self.current = engine
         # A request whose draws were not sound (None) ends now, and its round tells nothing.
         running = [r and tokens is not None for r, (tokens, _) in zip(running, new)]
@@ -346,7 +349,7 @@ class AutoBudget:
         pad = engine.batch - len(missed)  # rows past the requests: a dummy row each
         catch_up(engine, missed + [[]] * pad, starts + [0] * pad)
         self.drafter_behind = None
-        return time.perf_counter() - t0
+        return tp.slowest(time.perf_counter() - t0, engine.device)
 
     def choose(self):
         """(candidate, whether it is a probe): the best estimate, or a probe of a larger candidate that could still

@@ -151,9 +151,6 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}{e}") from None
     fresh = tp.same_on_every_rank(fresh)  # tensor parallel: every rank draws the same randomness
-    if tp.enabled() and spec.budget == "auto":
-        raise ValueError("budget auto is not supported under tensor parallel (each rank would time its own rounds "
-                         "and choose its own budget); give a number")
     stop = set(target.eos_ids) if stop_ids is None else check_stop_ids(stop_ids, target.config.vocab_size)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_int("max_batch", max_batch, 1)

@@ -87,6 +87,17 @@ def same_on_every_rank(values: list) -> list:
     return box[0]
 
 
+def slowest(seconds: float, device: torch.device) -> float:
+    """The longest of the ranks' `seconds` on every rank: budget auto's timings, from which every rank must make
+    the same choices (the ranks run the same collectives); one all-reduce of one number, after the round's host
+    read has already waited for the round."""
+    if not (enabled() and dist.is_initialized()):
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, dist.ReduceOp.MAX)
+    return t.item()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Sharding the modules (on the meta device, before loading)
 

@@ -8,7 +8,8 @@ tensors) and a Qwen3.5-MoE hybrid in the hub's layout (Gated DeltaNet, gated att
 - each rank holds its shard only: the sharded tensors at half their rows or columns, the rest whole;
 - one all-reduce per sublayer (2 per layer per target forward) and one all-gather of the logits per forward;
 - the command line under torchrun (the bundled pair) prints on rank 0 alone, and sizes that do not split are one
-  `error:` line, as is a tensor whose shape config.json contradicts; budget auto is refused.
+  `error:` line, as is a tensor whose shape config.json contradicts;
+- budget auto makes the same choices on every rank, and gives greedy's tokens.
 """
 
 import functools
@@ -86,7 +87,8 @@ def cases(paths: dict) -> dict:
         run.update(target=paths[run["kind"]] + "/target", draft=paths[run["kind"]] + "/draft", prompt=PROMPT,
                    max_new_tokens=16)
     bad = paths["bad"] + "/target"
-    return dict(runs=runs, ties=TIES, cli=[["--prompt", "hello", "--no-chat", "--json", "--budget", "4", "--max-new-tokens", "6"],
+    auto = dict(runs[0], budget="auto", max_new_tokens=24)
+    return dict(runs=runs, ties=TIES, auto=auto, cli=[["--prompt", "hello", "--no-chat", "--json", "--budget", "4", "--max-new-tokens", "6"],
                                 ["--prompt", "hello", "--target", bad, "--method", "ar", "--no-chat"],
                                 ["--prompt", "hello", "--target", paths["misshapen"] + "/target", "--method", "ar",
                                  "--no-chat"]])
@@ -104,7 +106,8 @@ def runs(tmp_path_factory):
     write_misshapen(paths["misshapen"])
     spec = cases(paths)
     json.dump(spec, open(root / "cases.json", "w"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # budget auto calibrates afresh: the ranks' timings of the calibration make the same choices too
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DDTREE_CACHE_DIR=str(root / "costs"))
     ranks = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                               f"--nproc-per-node={RANKS}", os.path.join(REPO_ROOT, "tests", "tp_ranks.py"),
                               str(root / "cases.json"), str(root / "out")], env=env, stdout=subprocess.PIPE,
@@ -223,7 +226,11 @@ def test_command_line_under_torchrun(runs):
     assert [other["code"] for other in seen[1]["cli"]] == [0, 2, 2]
 
 
-def test_budget_auto_is_refused(runs):
-    """Each rank would time its own rounds and might choose another budget than the others."""
-    for rank in runs[1]:
-        assert "budget auto is not supported under tensor parallel" in rank["budget_auto"]
+def test_budget_auto_makes_the_same_choices_on_every_rank(runs):
+    """Each rank times its own rounds; the ranks' longest time is every rank's, so the calibration, the candidate
+    of every round and the estimates agree, and the tokens are greedy's (budget auto is lossless)."""
+    spec, seen = runs
+    auto = [rank["auto"] for rank in seen]
+    assert auto[0]["calibrated_now"]
+    assert auto[0] == auto[1]
+    assert auto[0]["tokens"] == one_rank(dict(spec["auto"], budget=8))  # one rank's plain greedy ddtree

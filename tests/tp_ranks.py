@@ -1,7 +1,8 @@
 """One rank of tests/test_tp.py, launched by torchrun: runs the cases of a JSON file through the public API (the
 models sharded by the environment torchrun sets, as any script's would be) and writes what it saw to
 OUT.rank{RANK}.json: each case's tokens and the collectives it ran, the target's parameter shapes and bytes (and
-any parameter whose storage is larger than itself), the error of budget auto, and the command line's output and
+any parameter whose storage is larger than itself), a run of budget auto (its tokens, and the choices made from
+the ranks' timings), and the command line's output and
 exit status (rank 0 alone prints).
 
     torchrun --standalone --nproc-per-node 2 tests/tp_ranks.py CASES.json OUT
@@ -91,11 +92,11 @@ def main(cases_file: str, out: str):
         record["cases"].append(dict(tokens=res.tokens, rounds=res.stats["rounds"], collectives=seen.counts,
                                     gathered=seen.gathered, share=target.lm_head.share))
     record["greedy_pick"] = greedy_pick(cases["ties"])
-    target, drafter = loaded[cases["runs"][0]["target"]]
-    try:
-        generate(target, drafter, [1, 2], budget="auto", max_new_tokens=2)
-    except ValueError as e:
-        record["budget_auto"] = str(e)
+    auto = cases["auto"]
+    target, drafter = loaded[auto["target"]]
+    res = generate(target, drafter, auto["prompt"], budget="auto", max_new_tokens=auto["max_new_tokens"], stop_ids=[])
+    record["auto"] = dict(tokens=res.tokens, schedule=res.stats["auto"]["schedule"],
+                          candidates=res.stats["auto"]["candidates"], calibrated_now=res.stats["auto"]["calibrated_now"])
     for argv in cases["cli"]:
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
