@@ -76,13 +76,16 @@ COSTS_VERSION = 3
 
 def cost_key(engine) -> str:
     """What a round's time depends on: device, torch, dtype, both models' shapes, compile mode, batch, cache
-    slots, the sampling settings (warping costs time), the drafter passes per round, and COSTS_VERSION."""
+    slots, the sampling settings (warping costs time), the drafter passes per round, COSTS_VERSION, and under
+    tensor parallel the number of ranks."""
     target, drafter = engine.target, engine.drafter
-    return json.dumps(dict(version=COSTS_VERSION, device=device_name(engine.device), torch=torch.__version__,
-                           dtype=str(target.dtype), target=asdict(target.config), drafter=asdict(drafter.config),
-                           compile=engine.compiled, batch=engine.batch, slots=engine.max_seq_len,
-                           sampling=asdict(engine.sampling), denoise_steps=engine.spec.denoise_steps),
-                      sort_keys=True, default=str)
+    key = dict(version=COSTS_VERSION, device=device_name(engine.device), torch=torch.__version__,
+               dtype=str(target.dtype), target=asdict(target.config), drafter=asdict(drafter.config),
+               compile=engine.compiled, batch=engine.batch, slots=engine.max_seq_len,
+               sampling=asdict(engine.sampling), denoise_steps=engine.spec.denoise_steps)
+    if tp.enabled():  # (one device's keys stay as they were: their calibrations still serve)
+        key["ranks"] = tp.world_size()
+    return json.dumps(key, sort_keys=True, default=str)
 
 
 def load_costs(key: str) -> dict | None:

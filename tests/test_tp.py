@@ -228,9 +228,11 @@ def test_command_line_under_torchrun(runs):
 
 def test_budget_auto_makes_the_same_choices_on_every_rank(runs):
     """Each rank times its own rounds; the ranks' longest time is every rank's, so the calibration, the candidate
-    of every round and the estimates agree, and the tokens are greedy's (budget auto is lossless)."""
+    of every round and the estimates agree, and the tokens are greedy's (budget auto is lossless). The calibration
+    is kept under a key of its own (a round over two ranks does not cost what one device's does)."""
     spec, seen = runs
     auto = [rank["auto"] for rank in seen]
     assert auto[0]["calibrated_now"]
+    assert [json.loads(key)["ranks"] for key in json.load(open(auto[0]["cost_file"]))] == [RANKS]
     assert auto[0] == auto[1]
     assert auto[0]["tokens"] == one_rank(dict(spec["auto"], budget=8))  # one rank's plain greedy ddtree

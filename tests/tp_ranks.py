@@ -95,8 +95,8 @@ def main(cases_file: str, out: str):
     auto = cases["auto"]
     target, drafter = loaded[auto["target"]]
     res = generate(target, drafter, auto["prompt"], budget="auto", max_new_tokens=auto["max_new_tokens"], stop_ids=[])
-    record["auto"] = dict(tokens=res.tokens, schedule=res.stats["auto"]["schedule"],
-                          candidates=res.stats["auto"]["candidates"], calibrated_now=res.stats["auto"]["calibrated_now"])
+    record["auto"] = dict(tokens=res.tokens, **{k: res.stats["auto"][k] for k in ("schedule", "candidates",
+                                                                            "calibrated_now", "cost_file")})
     for argv in cases["cli"]:
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
