@@ -9,7 +9,8 @@ tensors) and a Qwen3.5-MoE hybrid in the hub's layout (Gated DeltaNet, gated att
 - one all-reduce per sublayer (2 per layer per target forward) and one all-gather of the logits per forward;
 - the command line under torchrun (the bundled pair) prints on rank 0 alone, and sizes that do not split are one
   `error:` line, as is a tensor whose shape config.json contradicts;
-- budget auto makes the same choices on every rank, and gives greedy's tokens.
+- budget auto makes the same choices on every rank, and gives greedy's tokens;
+- scripts/moe_parallel.py's split experts and expert parallel layers both give the whole MoE layer.
 """
 
 import functools
@@ -209,6 +210,13 @@ def test_greedy_pick_without_the_logits_breaks_ties_as_argmax_of_the_whole_row(r
     for rank in runs[1]:
         assert rank["greedy_pick"] == dict(tokens=whole.argmax(-1).tolist(),
                                            finite=torch.isfinite(whole).all(-1).tolist())
+
+
+def test_split_experts_and_expert_parallel_both_give_the_whole_moe_layer(runs):
+    """scripts/moe_parallel.py's two schemes (which docs/tp.md's measurement compares), in float64 on two ranks,
+    through a few pairs and through many."""
+    for rank in runs[1]:
+        assert rank["moe_parallel"] < 1e-12, rank["moe_parallel"]
 
 
 def test_command_line_under_torchrun(runs):
