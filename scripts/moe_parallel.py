@@ -46,7 +46,8 @@ def layer(experts: range, inter: slice, a, dtype, device) -> SparseMoE:
     """The experts `experts` of the layer, each cut to its `inter` slice, and the whole router (replicated)."""
     with torch.device("meta"):
         moe = SparseMoE(a.hidden, inter.stop - inter.start, a.experts, a.top_k, norm_topk_prob=True)
-    parts = torch.stack([expert_weights(e, a.hidden, a.inter, device)[:, inter] for e in experts], 1).to(dtype)
+    # (each slice copied: a view would keep its whole expert alive until the stack)
+    parts = torch.stack([expert_weights(e, a.hidden, a.inter, device)[:, inter].clone() for e in experts], 1).to(dtype)
     moe.experts.gate_proj, moe.experts.up_proj = nn.Parameter(parts[0]), nn.Parameter(parts[1])
     moe.experts.down_proj = nn.Parameter(parts[2].transpose(1, 2).contiguous())
     g = torch.Generator(device).manual_seed(1)
