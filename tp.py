@@ -19,7 +19,8 @@ output. The model files keep their code; only sizes change:
 - the embedding by vocabulary, each rank looking up the ids in its rows, the rows summed over the ranks (one
   all-reduce per forward; the drafter's forward embeds through the target's embedding: one more);
 - the lm_head by the same rows (a tied lm_head is the embedding's own parameter), each rank's logits
-  all-gathered, so every rank holds the same full logits and draws the same tokens from the same seeds;
+  all-gathered, so every rank holds the same full logits and draws the same tokens from the same seeds; a greedy
+  pick gathers only each rank's best logit and its index per row (VocabParallelHead.argmax);
 - the norms and the drafter replicated.
 
 A sublayer's output on a rank is a partial sum over its heads or intermediate slice: one all-reduce after each
@@ -220,7 +221,8 @@ def vocab_rows(vocab: int) -> tuple[int, int]:
 
 class VocabParallelEmbedding(nn.Module):
     """The embedding by vocabulary: this rank's rows (vocab_rows). A rank looks up the ids in its rows and gives
-    zeros for the others; the all-reduce sums the ranks' rows, exactly (every id's row is nonzero on one rank)."""
+    zeros for the others; the all-reduce sums the ranks' rows, exactly (each id's row comes from one rank, the
+    others add zeros)."""
 
     def __init__(self, vocab: int, hidden: int):
         super().__init__()
@@ -267,6 +269,7 @@ class VocabParallelHead(nn.Module):
             y = F.pad(y, (0, self.share - y.shape[-1]), value=-torch.inf)
         index = y.argmax(-1)
         value = y.gather(-1, index[..., None])[..., 0]
+        # (an index is exact in float32 below 2^24, far above any vocabulary's size)
         best = torch.stack([value, (index + self.vocab_rows[0]).to(dtype), finite.to(dtype)])
         best = funcol.all_gather_single(best.contiguous(), 0, dist.group.WORLD).unflatten(0, (world_size(), 3))
         winner = best[:, 0].argmax(0, keepdim=True)
