@@ -5,8 +5,11 @@ tensors) and a Qwen3.5-MoE hybrid in the hub's layout (Gated DeltaNet, gated att
 
 - greedy ddtree gives one rank's tokens on every target, and both ranks agree;
 - a sampled run gives the same samples for the same seed;
-- each rank holds its shard only: the sharded tensors at half their rows or columns, the rest whole;
-- one all-reduce per sublayer (2 per layer per target forward) and one all-gather of the logits per forward;
+- each rank holds its shard only: the sharded tensors (the embedding too) at half their rows or columns, the rest
+  whole, a tied lm_head the embedding's own parameter;
+- one all-reduce per sublayer (2 per layer per target forward) and per embedding lookup, and one all-gather per
+  forward: of the logits, or in a greedy pick of each rank's best (value, index, finite), whose planted ties across
+  the vocabulary's shards go as torch.argmax's;
 - the command line under torchrun (the bundled pair) prints on rank 0 alone, and sizes that do not split are one
   `error:` line, as is a tensor whose shape config.json contradicts;
 - budget auto makes the same choices on every rank, and gives greedy's tokens;
@@ -33,7 +36,7 @@ from checkpoints import (dflash_config, hybrid_text_config, moe_config, qwen3_co
                          save_hybrid)
 
 RANKS = 2
-RANKS_TIMEOUT = 120  # seconds; the launch takes about 10
+RANKS_TIMEOUT = 120  # seconds; the launch takes about 20
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
