@@ -21,6 +21,7 @@ Models side by side (scripts/bench_models.py)
   hybrid      the verify forward through a hybrid target beside the dense one: time, peak memory, recurrent share
   memory      one request's peak memory at B = 512 over Qwen3's vocabulary, greedy beside sampled
   calibrate   budget auto's calibration for a pair on this device, stored in the cost cache, and its curve
+  moe-parallel  one MoE layer over torchrun's ranks, every expert split beside expert parallel, per verify rows
 
 The library they share is scripts/benchlib.py; docs/benchmarks.md holds what each measured, when and on which
 machine. Bad options are one `error:` line and exit status 2, as on ddtree.py's command line.

@@ -13,7 +13,7 @@ tensors) and a Qwen3.5-MoE hybrid in the hub's layout (Gated DeltaNet, gated att
 - the command line under torchrun (the bundled pair) prints on rank 0 alone, and sizes that do not split are one
   `error:` line, as is a tensor whose shape config.json contradicts;
 - budget auto makes the same choices on every rank, and gives greedy's tokens;
-- scripts/moe_parallel.py's split experts and expert parallel layers both give the whole MoE layer.
+- `scripts/bench.py moe-parallel`'s split experts and expert parallel layers both give the whole MoE layer.
 """
 
 import functools
@@ -92,10 +92,10 @@ def cases(paths: dict) -> dict:
                    max_new_tokens=16)
     bad = paths["bad"] + "/target"
     auto = dict(runs[0], budget="auto", max_new_tokens=24)
-    return dict(runs=runs, ties=TIES, auto=auto, cli=[["--prompt", "hello", "--no-chat", "--json", "--budget", "4", "--max-new-tokens", "6"],
-                                ["--prompt", "hello", "--target", bad, "--method", "ar", "--no-chat"],
-                                ["--prompt", "hello", "--target", paths["misshapen"] + "/target", "--method", "ar",
-                                 "--no-chat"]])
+    return dict(runs=runs, ties=TIES, auto=auto,
+                cli=[["--prompt", "hello", "--no-chat", "--json", "--budget", "4", "--max-new-tokens", "6"],
+                     ["--prompt", "hello", "--target", bad, "--method", "ar", "--no-chat"],
+                     ["--prompt", "hello", "--target", paths["misshapen"] + "/target", "--method", "ar", "--no-chat"]])
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,7 @@ def test_greedy_pick_without_the_logits_breaks_ties_as_argmax_of_the_whole_row(r
 
 
 def test_split_experts_and_expert_parallel_both_give_the_whole_moe_layer(runs):
-    """scripts/moe_parallel.py's two schemes (which docs/tp.md's measurement compares), in float64 on two ranks,
+    """`scripts/bench.py moe-parallel`'s two schemes (which docs/tp.md's measurement compares), in float64 on two ranks,
     through a few pairs and through many."""
     for rank in runs[1]:
         assert rank["moe_parallel"] < 1e-12, rank["moe_parallel"]

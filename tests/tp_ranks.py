@@ -2,9 +2,8 @@
 models sharded by the environment torchrun sets, as any script's would be) and writes what it saw to
 OUT.rank{RANK}.json: each case's tokens and the collectives it ran, the target's parameter shapes and bytes (and
 any parameter whose storage is larger than itself), a run of budget auto (its tokens, and the choices made from
-the ranks' timings), how far scripts/moe_parallel.py's two ways of splitting an MoE layer are from the whole layer,
-and the command line's output and
-exit status (rank 0 alone prints).
+the ranks' timings), how far `scripts/bench.py moe-parallel`'s two ways of splitting an MoE layer are from the
+whole layer, and the command line's output and exit status (rank 0 alone prints).
 
     torchrun --standalone --nproc-per-node 2 tests/tp_ranks.py CASES.json OUT
 """
@@ -21,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import cli  # noqa: E402
-import moe_parallel  # noqa: E402
+import bench  # noqa: E402
+import bench_models  # noqa: E402
 import tp  # noqa: E402
 from ddtree import generate  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
@@ -100,7 +100,7 @@ def main(cases_file: str, out: str):
     res = generate(target, drafter, auto["prompt"], budget="auto", max_new_tokens=auto["max_new_tokens"], stop_ids=[])
     record["auto"] = dict(tokens=res.tokens, **{k: res.stats["auto"][k] for k in ("schedule", "candidates",
                                                                             "calibrated_now", "cost_file")})
-    record["moe_parallel"] = moe_parallel.check(moe_parallel.parse(["--check"]))
+    record["moe_parallel"] = bench_models.moe_parallel_check(bench.parser().parse_args(["moe-parallel", "--check"]))
     for argv in cases["cli"]:
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
