@@ -19,7 +19,7 @@ def test_every_command_parses_its_help(command, capsys):
         bench.main([command, "--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and out.startswith("usage: ") and f" {command} " in out.splitlines()[0]
-    assert f"python scripts/bench.py {command}" in out  # its docstring, with how to run it
+    assert f"scripts/bench.py {command}" in out  # its docstring, with how to run it (python or torchrun)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -33,6 +33,7 @@ def test_every_command_parses_its_help(command, capsys):
     (["context", "--windows", "-1"], "--windows at least 0"),
     (["official"], "the following arguments are required: --official"),
     (["official", "--official", "/nonexistent"], "--official /nonexistent is not a checkout"),
+    (["moe-parallel", "--check"], "run it under torchrun with 2 ranks or more"),
 ])
 def test_bad_options_are_one_error_line(args, message, capsys):
     assert_one_error_line(bench.main(args), capsys.readouterr().err, message)
