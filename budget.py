@@ -38,7 +38,7 @@ from dataclasses import asdict, replace
 import torch
 
 import tp
-from model import position_limit
+from rope import position_limit
 from settings import AUTO_BUDGETS, Speculation
 from tree_attn import round_up
 

@@ -163,7 +163,7 @@ def finite_rows(x: torch.Tensor) -> torch.Tensor:
 class Target(Protocol):
     """What the engine (with batch.py, budget.py, settings.py) asks of a target model: model.Qwen3 is one, and a new
     family is one module with these members plus its loader. Every tensor argument has the batch first."""
-    config: Any  # a dataclass: vocab_size, and what model.position_limit reads (max_position_embeddings, rope_scaling)
+    config: Any  # a dataclass: vocab_size, and what rope.position_limit reads (max_position_embeddings, rope_scaling)
     eos_ids: list[int]  # the default stop tokens
     embed_tokens: torch.nn.Module  # the drafter embeds and reads out through the target's own embedding and head
     lm_head: torch.nn.Module

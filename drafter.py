@@ -27,8 +27,8 @@ from loading import (check_pair, dflash_config_fields, load_weights, parse_devic
                      resolve_checkpoint)
 from draft_tree import Lattice
 from gated_delta import compute_dtype
-from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, rope_cos_sin,
-                   rope_frequencies, run_layer)
+from model import Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, rope_cos_sin, run_layer
+from rope import rope_frequencies
 import tp
 
 

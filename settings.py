@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from drafter import DFlashDrafter
-from model import Qwen3, position_limit
+from model import Qwen3
+from rope import position_limit
 from sampler import Sampling
 import tp
 from tree_attn import round_up

@@ -33,8 +33,9 @@ from checkpoints import dflash_config, moe_config, qwen3_config, random_dflash_w
     save_checkpoint
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Engine, cache_length, generate
 from drafter import DFlashDrafter
-from model import Qwen3, position_limit
+from model import Qwen3
 from moe import SparseMoE, device_capability, expert_path
+from rope import position_limit
 from sampler import Sampling
 from settings import Speculation, check_int, check_models, check_request, check_settings, grouped
 from text import Text

@@ -32,7 +32,8 @@ import batch as batching  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from gated_delta import Recurrent  # noqa: E402
-from model import Qwen3, Qwen3Config, rope_frequencies  # noqa: E402
+from model import Qwen3, Qwen3Config  # noqa: E402
+from rope import rope_frequencies  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
 from train_target import HELD_OUT_EVERY, read  # noqa: E402

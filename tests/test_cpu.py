@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import model
+import rope
 import cpu
 from draft_tree import ancestor_matrix, build_tree
 from cpu import cpu_attention, load_cpu_kernel
@@ -133,7 +134,7 @@ def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
     attn = cpu.CpuAttention(64, 4, 2, 64, 1e-6).to(dtype)
     model.allocate_kv_caches([SimpleNamespace(self_attn=attn)], 256, dtype, "cpu")
     x = torch.randn(1, 5, 64, dtype=dtype)
-    cos, sin = (t[:, None] for t in model.rope_cos_sin(torch.arange(40, 45)[None], model.rope_inv_freq(64, 1e6, None),
+    cos, sin = (t[:, None] for t in model.rope_cos_sin(torch.arange(40, 45)[None], rope.rope_inv_freq(64, 1e6, None),
                                                        1.0, dtype))
     mask = PrefixMask(5, 256, "cpu")
     block_mask = mask.set(40, torch.ones(5, 5, dtype=torch.bool).tril())

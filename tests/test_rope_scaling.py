@@ -22,7 +22,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbed
 from conftest import float64_kept, written_once
 from ddtree import block_mask, generate
 from drafter import DFlashDrafter
-from model import Qwen3, Qwen3Config, rope_frequencies, rope_inv_freq
+from model import Qwen3, Qwen3Config
+from rope import rope_frequencies, rope_inv_freq
 from scripts.checkpoints import hybrid_text_config, random_hybrid_model, save_hybrid
 from tree_attn import PrefixMask, causal
 
