@@ -17,22 +17,32 @@ import cpu
 
 
 def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
-    """The engine's (round, prefill step) compiled for this device, the inductor options its compiling calls set
-    (guards), and the seconds spent building the CPU attention kernel (0 on a GPU, or once built).
+    """The engine's (round, prefill step) as this device runs them, the inductor options its compiling calls set
+    (guards), and the seconds spent building the CPU attention kernel (0 on a GPU, or once built). With compile
+    False they stay eager (on the CPU through cpu/'s layer classes, which every CPU engine runs).
 
     One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the query length
     fails to build on the CPU (docs/compile.md). Engines compile the same methods, so they share one cache per
     method: an engine whose tensors and settings match an earlier one's reuses its graphs (which read the models
     and masks through the engine at each call); frozen graphs are per engine."""
-    # Room for a few engines (settings, budgets) before dynamo falls back to eager.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    writable_inductor_cache()
-    if target.device.type == "cpu":  # the prefill stays eager on the CPU (docs/compile.md, "Eager prefill on CPU")
+    if compile:
+        # Room for a few engines (settings, budgets) before dynamo falls back to eager.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        writable_inductor_cache()
+    if target.device.type == "cpu":  # the prefill stays eager on the CPU (prefill_compiled)
         round_fn, options, build_seconds = cpu.compile_round(round_fn, target, drafter, compile)
         return round_fn, prefill_step, options, build_seconds
+    if not compile:
+        return round_fn, prefill_step, {}, 0.0
     mode = "reduce-overhead" if compile is True else compile  # CUDA graphs ("max-autotune" includes them)
     return (torch.compile(round_fn, dynamic=False, fullgraph=True, mode=mode),
             torch.compile(prefill_step, dynamic=False, fullgraph=True, mode=mode), {}, 0.0)
+
+
+def prefill_compiled(compile: bool | str, device_type: str) -> bool:
+    """Whether compile_steps compiles an engine's prefill step: when it compiles, except on the CPU, where the
+    prefill stays eager (docs/compile.md, "Eager prefill on CPU")."""
+    return bool(compile) and device_type != "cpu"
 
 
 def graph_warmup_calls(compile, device_type: str) -> int:

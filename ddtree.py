@@ -36,7 +36,6 @@ if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 qui
 import torch  # noqa: E402
 
 import compiling
-import cpu
 import batch
 from batch import Requests, RequestsFailed, Result
 from budget import AutoBudget, auto_budgets, auto_candidates
@@ -49,7 +48,7 @@ from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_
 from settings import Speculation, check_models, check_request, check_settings, verify_rows
 from tree_attn import PrefixMask, causal, compact_kv, round_up
 
-# Eager FlexAttention (eager engines on CUDA, cpu.EAGER_CPU_ATTENTION = "flex") warns that it materializes
+# Eager FlexAttention (eager engines on CUDA; on the CPU, cpu.EAGER_CPU_ATTENTION = "flex") warns that it materializes
 # the scores: it does, by design of the eager path; --compile is the fused kernel.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -205,16 +204,11 @@ class Engine:
         # The tree builder: the paper's heap when eager (host code, the readable reference, and faster outside a
         # graph), the tensor builder when compiled (fixed shapes, no host sync); they give identical trees.
         self.build_tree = build_tree if compile else build_tree_heap
-        # Masks as FlexAttention BlockMasks, or materialized for SDPA where eager steps run on the CPU
-        # (cpu.dense_masks); the CPU's prefill is eager even in a compiled engine.
-        dense_prefill = cpu.dense_masks(self.device.type)
-        dense = dense_prefill and not compile
+        # The masks: FlexAttention BlockMasks, whose tensors each step rewrites in place.
         target.setup_cache(max_seq_len, batch)
-        chunk = prefill_chunk(self.device.type)
-        self.prefill_mask = PrefixMask(chunk, max_seq_len, self.device, dense_prefill, batch)
-        self.prefill_mask.allow.copy_(causal(chunk))
-        self.decode_mask = PrefixMask(1, max_seq_len, self.device, dense, batch)
-        self.decode_mask.allow.fill_(True)
+        self.prefill_mask = block_mask(prefill_chunk(self.device.type), max_seq_len, self.device, batch,
+                                       causal_rows=True)
+        self.decode_mask = block_mask(1, max_seq_len, self.device, batch)
         self.feature_layers = ()
         if drafter is not None:
             drafter.setup_cache(max_seq_len, batch)
@@ -227,17 +221,18 @@ class Engine:
             # The block sees itself bidirectionally, or causally, or within a sliding window, as each drafter
             # layer says (docs/checkpoints.md): one mask per kind; with draft_window W, of the committed context
             # only its last W tokens (every kind: a sliding layer's window intersects it).
-            self.draft_masks = {kind: block_mask(drafter.block_size, max_seq_len, self.device, dense, batch, *kind,
+            self.draft_masks = {kind: block_mask(drafter.block_size, max_seq_len, self.device, batch, *kind,
                                                  context=spec.draft_window)
                                 for kind in drafter.config.mask_kinds}
-            self.verify_mask = PrefixMask(self.tree_size + 1, max_seq_len, self.device, dense, batch)
+            self.verify_mask = PrefixMask(self.tree_size + 1, max_seq_len, self.device, batch)
         if method == "ar":
             self.round = self.decode  # plain decoding's round
-        self.compile_options, self.build_seconds = {}, 0.0  # the round's inductor options; the CPU kernel's build
         self.warm = not compile
-        if compile:  # the compiled round and prefill step take the methods' names on this engine
-            self.round, self.prefill_step, self.compile_options, self.build_seconds = compiling.compile_steps(
-                self.round, self.prefill_step, target, drafter, compile)
+        # The round and prefill step as this device runs them, compiled or eager, under the methods' names on this
+        # engine; with the round's inductor options and the seconds the CPU attention kernel took to build.
+        self.round, self.prefill_step, self.compile_options, self.build_seconds = compiling.compile_steps(
+            self.round, self.prefill_step, target, drafter, compile)
+        self.prefill_compiled = compiling.prefill_compiled(compile, self.device.type)
 
     # -- requests: start, then one step per round -----------------------------------------------------------------
 
@@ -413,9 +408,11 @@ class Engine:
         starts = starts or [0] * self.batch
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         offsets = torch.tensor(starts, device=self.device)
-        chunk = self.prefill_mask.q_len
-        if self.prefill_mask.dense:  # eager, the mask materialized: no graph to keep fixed, so only the rows needed
+        chunk = prefill_chunk(self.device.type)
+        if not self.prefill_compiled:  # no graph to keep fixed: only the rows the longest prompt needs
             chunk = min(chunk, max(map(len, prompts)))
+        if self.prefill_mask.q_len != chunk:
+            self.prefill_mask = block_mask(chunk, self.max_seq_len, self.device, self.batch, causal_rows=True)
         # [chunks, N, chunk]: each chunk's rows with strides of their own (a compiled step guards on strides, and
         # a slice of [N, chunks x chunk] rows has the longest prompt's, even for N = 1)
         chunks = torch.zeros(round_up(max(map(len, prompts)), chunk) // chunk, self.batch, chunk, dtype=torch.long)
@@ -429,20 +426,17 @@ class Engine:
         ok = torch.ones(self.batch, dtype=torch.bool, device=self.device)
         for k, start in enumerate(range(0, chunks.shape[0] * chunk, chunk)):
             row = (last - start).clamp(0, chunk - 1)[:, None]
-            # [N] starts: see PrefixMask.set. A materialized mask covers the slots the chunk can see, known here.
-            slots = self.prefill_mask.visible_slots(max(starts) + start) if self.prefill_mask.dense else None
             valid = (lengths - start).clamp(0, chunk)  # rows past a prompt are padding (recurrent layers skip them)
-            t, o = self.prefill_step(chunks[k], offsets + start, row, valid, noise, slots)
+            t, o = self.prefill_step(chunks[k], offsets + start, row, valid, noise)  # [N] starts: see PrefixMask.set
             here = (last >= start) & (last < start + chunk)  # the chunk that holds the request's last row
             token, ok = torch.where(here, t[:, 0], token), torch.where(here, o, ok)
         return token, ok
 
-    def prefill_step(self, tokens, start, last_row, valid, noise, slots=None):
-        """A chunk of prompt rows of every request at positions start.. (prefill_chunk rows; fewer with a
-        materialized mask, which covers `slots` KV slots and whose first rows the attention takes), of which the
+    def prefill_step(self, tokens, start, last_row, valid, noise):
+        """A chunk of prompt rows of every request at positions start.. (the prefill mask's rows), of which the
         first `valid` [N] are the prompt's. Returns the token after each request's `last_row` [N, 1]."""
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        mask = self.prefill_mask.set(start, slots=slots)
+        mask = self.prefill_mask.set(start)
         logits, features = self.target(tokens, positions, positions, mask, logits_rows=last_row,
                                        feature_layers=self.feature_layers, recurrent=Recurrent.chain(valid),
                                        argmax=self.sampling.greedy)
@@ -508,7 +502,7 @@ class Engine:
         """The cache slots warm_up's dummy request writes in every row: a prefill chunk, then a round's rows after
         its one-token prompt (the verified rows, the drafter's block, the committed path)."""
         rows = 1 if self.drafter is None else max(self.tree_size + 1, self.drafter.block_size, self.max_depth + 1)
-        return min(self.max_seq_len, max(self.prefill_mask.q_len, 1 + rows))
+        return min(self.max_seq_len, max(prefill_chunk(self.device.type), 1 + rows))
 
     def warm_up(self) -> float:
         """Compile a new compiled engine's steps by running each once on a one-token dummy request; returns the
@@ -592,11 +586,11 @@ def models_in_use(*models):
             mark.lock.release()
 
 
-def block_mask(q_len: int, max_seq_len: int, device, dense: bool, batch: int, window: int | None = None,
+def block_mask(q_len: int, max_seq_len: int, device, batch: int, window: int | None = None,
                causal_rows: bool = False, context: int | None = None) -> PrefixMask:
-    """The drafter block's mask: the context (its last `context` tokens), and the block bidirectionally or
-    causally; within `window`."""
-    mask = PrefixMask(q_len, max_seq_len, device, dense, batch, window, context)
+    """A mask of q_len new rows over the context (its last `context` tokens), the rows seeing each other all (the
+    drafter's block, a decode step) or causally (a prefill chunk, a causal drafter layer); within `window`."""
+    mask = PrefixMask(q_len, max_seq_len, device, batch, window, context)
     mask.allow.copy_(causal(q_len) if causal_rows else torch.ones(q_len, q_len, dtype=torch.bool))
     return mask
 

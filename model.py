@@ -2,8 +2,8 @@
 our own modules.
 
 The forward takes token ids, their RoPE positions and the cache slots their K/V go to (they differ in a tree
-verify: a node at depth d sits at position start + d but in slot start + row), attends with the mask from
-tree_attn.py (FlexAttention, or SDPA when the mask comes materialized), and returns float32 logits for the
+verify: a node at depth d sits at position start + d but in slot start + row), attends under a BlockMask from
+tree_attn.py (FlexAttention; on the CPU, cpu/ attends under it its own way), and returns float32 logits for the
 requested rows plus, on request, the outputs of chosen layers (the drafter's context features). Inputs carry a
 batch of independent requests (each with its own rows, positions, slots and cache row); the K/V cache is static,
 one buffer per layer with a row per request. Qwen3.5 / Qwen3.6 hybrids (docs/checkpoints.md) are the same class:
@@ -256,17 +256,12 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def attend(self, q, mask, scale):
-        """q [N, H, Q, D] over this layer's caches under `mask`, as [N, Q, H * D]: the one attention seam (on a
-        compiled CPU engine, cpu.CpuAttention runs its kernel here where it applies)."""
-        n, q_len, gqa = q.shape[0], q.shape[2], self.heads != self.kv_heads
-        if isinstance(mask, torch.Tensor):  # materialized over the KV slots it covers (PrefixMask(dense=True)); a
-            kv = mask.shape[-1]  # call of fewer rows than it was made for (an eager prefill chunk) takes its first rows
-            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :kv], self.v_cache[:, :, :kv],
-                                                 attn_mask=mask[:, :, :q_len], scale=scale, enable_gqa=gqa)
-        else:
-            options = flex_kernel_options(q_len, q.device.type)
-            out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale, enable_gqa=gqa,
-                                 kernel_options=options)
+        """q [N, H, Q, D] over this layer's caches under the BlockMask `mask`, as [N, Q, H * D]: the one attention
+        seam (on the CPU, cpu.CpuAttention attends here its own way)."""
+        n, q_len = q.shape[0], q.shape[2]
+        out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale,
+                             enable_gqa=self.heads != self.kv_heads,
+                             kernel_options=flex_kernel_options(q_len, q.device.type))
         return out.transpose(1, 2).reshape(n, q_len, self.heads * self.head_dim)
 
 

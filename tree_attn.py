@@ -13,12 +13,11 @@ round: a compiled kernel guards on the tensors' identity and shape, not their va
 prefix lengths never recompile. We build the BlockMask from block tables ourselves (`from_kv_blocks`) rather than
 calling `create_block_mask`, which fails to compile on CPU for this kind of mask_mod (docs/compile.md), and we
 rewrite those tables in place as the prefix grows: the blocks wholly below the prefix are "full" (seen by every
-row, no mask_mod evaluated), the one or two after it are masked, the rest are not visited. A mask made
-with dense=True (the engine's choice for eager CPU runs) hands its attention the same mask_mod evaluated densely,
-for SDPA, instead of the BlockMask.
+row, no mask_mod evaluated), the one or two after it are masked, the rest are not visited.
 
-In compiled CPU engines, attention under such a mask runs our own kernel instead (cpu/, which a GPU
-reader can skip); it reads `prefix` and `allow` directly.
+Every model layer takes the BlockMask. On the CPU, attention under it runs elsewhere (cpu/, which a GPU reader can
+skip): compiled, our own kernel, which reads `prefix` and `allow` directly; eager, SDPA over the same mask_mod
+evaluated densely.
 """
 
 import torch
@@ -73,29 +72,30 @@ def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, all
 
 class PrefixMask:
     """The mask for `q_len` rows written at slots [prefix, prefix + q_len) of a `kv_len`-slot cache, for `batch`
-    requests at once: request n has its own prefix[n] and allow[n] (one cache row each). `set` returns what the
-    attention layers take: the BlockMask (FlexAttention), or with dense=True the same mask as a boolean
-    [batch, 1, q_len, slots] tensor over the KV slots it visits (SDPA: eager FlexAttention on the CPU runs a
-    vmapped math fallback). With a `window` (a sliding-window layer), a row sees only the slots within
+    requests at once: request n has its own prefix[n] and allow[n] (one cache row each). `set` returns the
+    BlockMask the attention layers take. With a `window` (a sliding-window layer), a row sees only the slots within
     window - 1 of its own; with a `context`, only the last `context` slots before the prefix (and its own rows)."""
 
-    def __init__(self, q_len: int, kv_len: int, device, dense: bool = False, batch: int = 1,
-                 window: int | None = None, context: int | None = None):
+    def __init__(self, q_len: int, kv_len: int, device, batch: int = 1, window: int | None = None,
+                 context: int | None = None):
         assert kv_len % BLOCK == 0, "cache length must be a multiple of the FlexAttention block"
-        self.q_len, self.kv_len, self.dense, self.window, self.context = q_len, kv_len, dense, window, context
-        self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
-        # Bytes, not bool, nonzero = allowed, written with pointwise ops only (docs/compile.md, "Allow matrix as
-        # bytes", "Writing the allow matrix").
-        self.allow = torch.zeros(batch, q_len, q_len, dtype=torch.uint8, device=device)
+        self.q_len, self.kv_len, self.window, self.context = q_len, kv_len, window, context
         n_q, n_kv = -(-q_len // BLOCK), kv_len // BLOCK
         self.n_kv = n_kv
-        # The blocks wholly below the prefix are "full": every row sees all their slots, so the kernel skips the
-        # mask_mod there (full_idx lists them from block 0 on; full_num says how many). The mask_mod decides only
-        # in the blocks from prefix // BLOCK on, which kv_indices lists; kv_num_blocks says how many. The C++
-        # kernel wants the two index tensors distinct (docs/compile.md, "full-block tensors").
-        self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
-        self.kv_indices = torch.zeros(batch, 1, n_q, n_kv, dtype=torch.int32, device=device)
-        self.full_num = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
+        # Normal tensors even inside inference mode: their version counts the writes of `set`, which tells an eager
+        # attention that keeps what it derived from the mask when to derive it again (cpu.dense_mask).
+        with torch.inference_mode(False):
+            self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
+            # Bytes, not bool, nonzero = allowed, written with pointwise ops only (docs/compile.md, "Allow matrix as
+            # bytes", "Writing the allow matrix").
+            self.allow = torch.zeros(batch, q_len, q_len, dtype=torch.uint8, device=device)
+            # The blocks wholly below the prefix are "full": every row sees all their slots, so the kernel skips the
+            # mask_mod there (full_idx lists them from block 0 on; full_num says how many). The mask_mod decides
+            # only in the blocks from prefix // BLOCK on, which kv_indices lists; kv_num_blocks says how many. The
+            # C++ kernel wants the two index tensors distinct (docs/compile.md, "full-block tensors").
+            self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
+            self.kv_indices = torch.zeros(batch, 1, n_q, n_kv, dtype=torch.int32, device=device)
+            self.full_num = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
         full_idx = torch.arange(n_kv, dtype=torch.int32, device=device).expand(batch, 1, n_q, n_kv).contiguous()
         self.blocks = torch.arange(n_kv, dtype=torch.int32, device=device)
         # The compiled steps write prefix, allow and the block tables in place. CUDA graph trees refuse graphs
@@ -106,12 +106,11 @@ class PrefixMask:
                                             self.prefix, self.allow, kv_len, window, context)
         self.mask_mod = self.block_mask.mask_mod
 
-    def set(self, prefix, allow: torch.Tensor | None = None, slots: int | None = None):
+    def set(self, prefix, allow: torch.Tensor | None = None):
         """Point the mask at new prefix lengths (one per request [N], or an int for all) and, optionally, new allow
         matrices ([q_len, q_len] for every request, or [N, q_len, q_len]). Compiled code passes both per request
         ([N] and [N, q_len, q_len]): compiled CPU FlexAttention cannot lower a mask whose tensors the graph
-        broadcasts (docs/compile.md, "The mask's prefix as a per-request tensor"). With dense=True, `slots`
-        (visible_slots of the longest prefix, when the caller knows it) saves reading it from the device."""
+        broadcasts (docs/compile.md, "The mask's prefix as a per-request tensor")."""
         self.prefix.copy_(torch.as_tensor(prefix, dtype=torch.int64))
         if allow is not None:
             # Inside a compiled graph the mask_mod reads `allow` itself, not the buffer: as_strided makes inductor
@@ -136,28 +135,7 @@ class PrefixMask:
         self.kv_num_blocks.copy_((end - first)[:, None, None].expand_as(self.kv_num_blocks))
         masked = (self.blocks + first[:, None]).clamp(max=self.n_kv - 1)
         self.kv_indices.copy_(masked[:, None, None].expand_as(self.kv_indices))
-        return dense_mask(self.block_mask, slots) if self.dense else self.block_mask
-
-    def visible_slots(self, prefix: int) -> int:
-        """The KV slots that the blocks visited at this prefix length cover (what dense_mask covers by default)."""
-        return min(self.kv_len, round_up(prefix + self.q_len))
-
-
-def dense_mask(block_mask: BlockMask, kv_len: int | None = None) -> torch.Tensor:
-    """A PrefixMask's BlockMask as a boolean [batch, 1, q_len, kv_len] tensor, its mask_mod evaluated by
-    broadcasting (it is plain elementwise tensor code). kv_len defaults to the slots up to the last KV block any
-    request visits (one host read)."""
-    q_len, full = block_mask.seq_lengths
-    if kv_len is None:
-        visited = block_mask.kv_num_blocks.long()
-        last = block_mask.kv_indices.gather(-1, (visited - 1).clamp(min=0)[..., None])[..., 0] + 1
-        blocks = torch.maximum(torch.where(visited > 0, last, 0), block_mask.full_kv_num_blocks)
-        kv_len = min(full, int(blocks.max()) * block_mask.BLOCK_SIZE[1])
-    device = block_mask.kv_indices.device
-    b = torch.arange(block_mask.kv_indices.shape[0], device=device)[:, None, None, None]
-    q = torch.arange(q_len, device=device)[:, None]
-    kv = torch.arange(kv_len, device=device)[None, :]
-    return block_mask.mask_mod(b, 0, q, kv)
+        return self.block_mask
 
 
 def causal(n: int, device=None) -> torch.Tensor:

@@ -1,14 +1,15 @@
-"""CPU-only speed, behind one seam: what a compiled CPU engine adds to the GPU path, and nothing a GPU run uses.
-A reader of the round can skip this file. A compiled engine built on a CPU makes one call, `compile_round`: it
-gives the models' linears and attention layers their CPU classes (CpuLinear, CpuAttention; `prepare`) and compiles
-the round (frozen and autotuned for compile="max-autotune": `compile_frozen`).
+"""CPU-only speed, behind one seam: what a CPU engine adds to the GPU path, and nothing a GPU run uses. A reader of
+the round can skip this file. An engine built on a CPU makes one call, `compile_round`: it gives the models' linears
+and attention layers their CPU classes (CpuLinear, CpuAttention) and, for a compiled engine, compiles the round
+(`prepare`; frozen and autotuned for compile="max-autotune": `compile_frozen`).
 
+- Eager attention by SDPA over the BlockMask's mask_mod evaluated densely (`dense_mask`): eager FlexAttention on the
+  CPU runs a vmapped math fallback, far slower (docs/compile.md, "Eager attention on CPU").
 - The attention kernel (cpu/attention.cpp): a round's few query rows under a PrefixMask, several times faster than
   FlexAttention's CPU template at these sizes (docs/compile.md, "CPU attention kernel").
 - Frozen max-autotune graphs with oneDNN copies of the weights (docs/compile.md, "Few-row matmuls on CPU").
 - One-row matmuls of compiled graphs as a fused multiply-and-sum (docs/compile.md, "one-row Linear on CPU").
 - Inductor's ISA probe started early (docs/compile.md, "ISA probe").
-- Eager CPU engines attend with SDPA under materialized masks (`dense_masks`).
 """
 
 import contextlib
@@ -30,23 +31,21 @@ import model as model_module
 from model import Attention, Linear
 
 
-# Eager CPU engines: "sdpa" (masks materialized for SDPA) or "flex" (eager FlexAttention, which on the CPU runs a
-# vmapped math fallback, far slower).
+# How eager CPU layers attend under a PrefixMask: "sdpa" (the mask materialized, dense_attention), "kernel" (the
+# compiled rounds' kernel where it applies, else FlexAttention) or "flex" (eager FlexAttention, which on the CPU
+# runs a vmapped math fallback, far slower). Compiled graphs run the kernel where it applies.
 EAGER_CPU_ATTENTION = "sdpa"
 
 
-def dense_masks(device_type: str) -> bool:
-    """Whether the eager steps of an engine on this device take their masks materialized (PrefixMask(dense=True),
-    for SDPA) rather than as BlockMasks: on the CPU by default (EAGER_CPU_ATTENTION), never on a GPU."""
-    return device_type == "cpu" and EAGER_CPU_ATTENTION == "sdpa"
-
-
 def compile_round(step, target, drafter, compile) -> tuple:
-    """A CPU engine's compiled round: (the compiled step, the inductor options its compiling calls run under,
-    the seconds spent building the attention kernel). The models get their CPU classes first (prepare);
-    compile="max-autotune" freezes the weights into autotuned graphs (compile_frozen), compile=True is a plain
-    fullgraph compile (no CUDA graphs to ask for; the prefill stays eager: docs/compile.md, "Eager prefill on
-    CPU")."""
+    """A CPU engine's round: (the step, compiled unless compile is False, the inductor options its compiling calls
+    run under, the seconds spent building the attention kernel). The models get their CPU classes first, eager
+    or compiled; compile="max-autotune" freezes the weights into autotuned graphs (compile_frozen), compile=True is
+    a plain fullgraph compile (no CUDA graphs to ask for; the prefill stays eager: docs/compile.md, "Eager prefill
+    on CPU")."""
+    if not compile:
+        use_cpu_classes(target, drafter)
+        return step, {}, 0.0
     frozen = compile == "max-autotune"
     seconds = prepare(target, drafter, frozen)
     if frozen:
@@ -71,11 +70,10 @@ def prepare(target, drafter, frozen: bool) -> float:
 
 
 def use_cpu_classes(*models):
-    """Every model.Linear and model.Attention of `models` becomes a CpuLinear / CpuAttention, in place (same
-    weights and caches, the CPU forward). Outside a compiled graph they compute what their parents do, so eager
-    engines sharing the models are unaffected."""
+    """Every model.Linear and model.Attention of `models` (None: none) becomes a CpuLinear / CpuAttention, in place
+    (same weights and caches, the CPU forward): what every engine on the CPU runs, eager or compiled."""
     swaps = {Linear: CpuLinear, Attention: CpuAttention}
-    for model in models:
+    for model in filter(None, models):
         for m in model.modules():
             m.__class__ = swaps.get(type(m), type(m))
 
@@ -108,12 +106,47 @@ class CpuLinear(Linear):
 
 
 class CpuAttention(Attention):
-    """model.Attention on a compiled CPU engine: the CPU kernel wherever it applies (cpu_kernel_applies)."""
+    """model.Attention on the CPU: in compiled graphs the CPU kernel wherever it applies (cpu_kernel_applies), eager
+    as EAGER_CPU_ATTENTION says; FlexAttention elsewhere."""
 
     def attend(self, q, mask, scale):
-        if cpu_kernel_applies(q, self.k_cache, mask):
+        how = "kernel" if torch.compiler.is_compiling() else EAGER_CPU_ATTENTION
+        if how == "kernel" and cpu_kernel_applies(q, self.k_cache, mask):
             return cpu_attention(q, self.k_cache, self.v_cache, mask, scale).flatten(2)
+        if how == "sdpa" and hasattr(mask, "prefix_tensors"):
+            return dense_attention(q, self.k_cache, self.v_cache, mask, scale).transpose(1, 2).flatten(2)
         return super().attend(q, mask, scale)
+
+
+def dense_attention(q, k_cache, v_cache, mask, scale: float) -> torch.Tensor:
+    """Attention of q [N, H, Q, D] over the caches [N, KVH, S, D] under a PrefixMask's BlockMask by SDPA, over the
+    KV slots the mask visits (dense_mask), as [N, H, Q, D]."""
+    dense = dense_mask(mask, q.shape[2])
+    kv = dense.shape[-1]
+    return F.scaled_dot_product_attention(q, k_cache[:, :, :kv], v_cache[:, :, :kv], attn_mask=dense, scale=scale,
+                                          enable_gqa=q.shape[1] != k_cache.shape[1])
+
+
+def dense_mask(block_mask, q_len: int) -> torch.Tensor:
+    """A PrefixMask's BlockMask as a boolean [batch, 1, q_len, slots] tensor for SDPA: its mask_mod evaluated by
+    broadcasting (plain elementwise tensor code) over its first q_len rows and the slots up to the last KV block
+    any request visits (one host read). Kept on the BlockMask until its PrefixMask's tensors are written again
+    (their versions count the writes), so that the layers of one forward evaluate it once."""
+    prefix, allow = block_mask.prefix_tensors[4:]
+    key = (q_len, prefix._version, allow._version)
+    kept = getattr(block_mask, "dense", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    visited = block_mask.kv_num_blocks.long()
+    last = block_mask.kv_indices.gather(-1, (visited - 1).clamp(min=0)[..., None])[..., 0] + 1
+    blocks = torch.maximum(torch.where(visited > 0, last, 0), block_mask.full_kv_num_blocks)
+    kv_len = min(block_mask.seq_lengths[1], int(blocks.max()) * block_mask.BLOCK_SIZE[1])
+    device = prefix.device
+    b = torch.arange(prefix.shape[0], device=device)[:, None, None, None]
+    dense = block_mask.mask_mod(b, 0, torch.arange(q_len, device=device)[:, None],
+                                torch.arange(kv_len, device=device)[None, :])
+    block_mask.dense = (key, dense)
+    return dense
 
 
 # compile="max-autotune" on the CPU: the engine freezes its weights into its own graphs and lets inductor's autotuner

@@ -13,10 +13,12 @@ import sys
 import tempfile
 
 import torch
+import torch.nn.functional as F
 
 from benchlib import (ROOT, best_of, compare, held_out_code, interleaved_runs, print_rows, random_tokens,
                       round_header, round_row, round_split, save_random_pair, save_random_target, timed, tree_alone,
                       verify_ms, write_json)
+import cpu
 import ddtree
 import model
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint
@@ -539,7 +541,19 @@ def decode_step_calls(config: Qwen3Config) -> collections.Counter:
     torch.manual_seed(0)
     m = Qwen3(config).eval()
     m.setup_cache(1024)
-    mask = PrefixMask(1, 1024, "cpu", dense=True).set(torch.tensor([100]))
+    mask = PrefixMask(1, 1024, "cpu").set(torch.tensor([100]))
+    dense = cpu.dense_mask(mask, 1)  # materialized here, outside the graph
+
+    class SdpaAttention(model.Attention):  # SDPA over the materialized mask, a graph input as on a GPU the BlockMask
+        def attend(self, q, mask, scale):
+            kv = dense.shape[-1]
+            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :kv], self.v_cache[:, :, :kv], attn_mask=dense,
+                                                 scale=scale, enable_gqa=self.heads != self.kv_heads)
+            return out.transpose(1, 2).flatten(2)
+
+    for module in m.modules():
+        if type(module) is model.Attention:
+            module.__class__ = SdpaAttention
     token, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([[100]])
 
     def step(token, pos):
@@ -570,10 +584,12 @@ def callgraph(a):
     The round runs eagerly on the bundled pair (CPU), with the tree builder a compiled engine uses
     (draft_tree.build_tree; --eager-tree: the heap an eager engine uses), so the functions are those a compiled round
     traces. Counted are named functions and methods defined in the repository's .py files (comprehensions and lambdas
-    apart), each once.
+    apart), each once, but for cpu/, the CPU seam a reader of the round skips: the layers attend as a GPU round's
+    do, through Attention.attend (eager FlexAttention here, cpu.EAGER_CPU_ATTENTION).
     """
     if not a.eager_tree:
         ddtree.build_tree_heap = ddtree.build_tree  # what the engine picks when eager: the compiled round's builder
+    cpu.EAGER_CPU_ATTENTION = "flex"
     target = Qwen3.from_pretrained(DEFAULT_TARGET, device="cpu")
     drafter = DFlashDrafter.from_pretrained(DEFAULT_DRAFT, device="cpu")
     with torch.inference_mode():
@@ -598,8 +614,8 @@ def callgraph(a):
 
 
 def ours(filename: str) -> bool:
-    """Whether a frame's file is the repository's own code (not its tests, not its virtual environment)."""
-    return filename.startswith(ROOT) and not any(os.sep + d + os.sep in filename for d in ("tests", ".venv"))
+    """Whether a frame's file is the repository's own code (not its tests, its virtual environment, or cpu/)."""
+    return filename.startswith(ROOT) and not any(os.sep + d + os.sep in filename for d in ("tests", ".venv", "cpu"))
 
 
 def profile_round(target, drafter, budget: int):

@@ -26,7 +26,7 @@ for p in (os.path.join(ROOT, "scripts"), ROOT):
 from checkpoints import (dflash_config, qwen3_config, random_dflash_weights, random_qwen3_weights,  # noqa: E402
                          save_checkpoint, stdlib_files, write_json_file)
 from draft_tree import ancestor_matrix, build_tree, build_tree_heap  # noqa: E402
-from cpu import AUTOTUNE_OPTIONS, compile_frozen  # noqa: E402
+from cpu import AUTOTUNE_OPTIONS, compile_frozen, use_cpu_classes  # noqa: E402
 from compiling import guards  # noqa: E402
 import batch as batching  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
@@ -214,7 +214,9 @@ def verify_ms(target, budget: int, compile: bool, repeats: int, prompt_len: int 
     kv = -(-(prompt_len + n) // 1024) * 1024
     target.setup_cache(kv)
     parents, depths = random_tree(budget, g)
-    mask = PrefixMask(n, kv, dev, dense=not compile and dev.type == "cpu")
+    if not compile and dev.type == "cpu":
+        use_cpu_classes(target)  # eager layers attend as an eager CPU engine's (SDPA)
+    mask = PrefixMask(n, kv, dev)
     block_mask = mask.set(prompt_len, ancestor_matrix(parents.to(dev), int(depths.max()), dtype=torch.uint8))
     tokens = torch.randint(0, target.config.vocab_size, (n,), generator=g).to(dev)  # g goes on from the tree's draws
     positions, slots = prompt_len + depths.to(dev), prompt_len + torch.arange(n, device=dev)
@@ -250,7 +252,9 @@ def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 25
     target.setup_cache(kv)
     parents, depths = random_tree(budget, torch.Generator().manual_seed(seed))
     anc = ancestor_matrix(parents[None].to(dev), int(depths.max()), dtype=torch.uint8)  # [1, R, R]
-    mask = PrefixMask(n, kv, dev, dense=not compile and dev.type == "cpu")
+    if not compile and dev.type == "cpu":
+        use_cpu_classes(target)  # eager layers attend as an eager CPU engine's (SDPA)
+    mask = PrefixMask(n, kv, dev)
     block_mask = mask.set(torch.tensor([prompt_len], device=dev), anc)
     tokens = torch.randint(0, target.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed)).to(dev)
     positions = (prompt_len + depths)[None].to(dev)

@@ -145,18 +145,15 @@ def load_pair(target_path: str, draft_path: str | None, device: str = "cpu"):
 
 
 @contextlib.contextmanager
-def attention(kind: str, *models):
-    """kind 'dense': the engine as is (eager CPU engines materialize the mask for SDPA); 'flex': eager engines
-    hand their layers the BlockMask, and eager FlexAttention runs (cpu.EAGER_CPU_ATTENTION); 'kernel': the same
-    BlockMask through the CPU attention kernel that compiled CPU engines run (cpu.load_cpu_kernel), in
-    `models`' layers (given their CPU classes, cpu.use_cpu_classes)."""
+def attention(kind: str):
+    """How eager CPU layers attend under the engine's BlockMasks (cpu.EAGER_CPU_ATTENTION): kind 'dense' as the
+    engine does by default (SDPA over the mask materialized); 'flex': eager FlexAttention; 'kernel': the CPU
+    attention kernel that compiled CPU engines run (cpu.load_cpu_kernel)."""
     saved = cpu.EAGER_CPU_ATTENTION, cpu.USE_CPU_KERNEL
-    cpu.EAGER_CPU_ATTENTION = "sdpa" if kind == "dense" else "flex"
+    cpu.EAGER_CPU_ATTENTION = {"dense": "sdpa"}.get(kind, kind)
     cpu.USE_CPU_KERNEL = kind == "kernel"
     if kind == "kernel" and not cpu.load_cpu_kernel():
         raise SystemExit("error: --attention kernel: the CPU attention kernel could not be built (see the warning)")
-    if kind == "kernel":
-        cpu.use_cpu_classes(*(m for m in models if m is not None))
     ddtree._ENGINES.clear()  # engines fix their attention when they are made
     try:
         yield
@@ -179,8 +176,9 @@ def last_logits(target: Qwen3, contexts: list[list[int]], batch: int = 64) -> to
         part = torch.tensor(contexts[first:first + batch], device=target.device)
         target.setup_cache(length, part.shape[0])
         target.reset_recurrent()  # a hybrid target's recurrent states start empty (a no-op for Qwen3)
-        mask = PrefixMask(n, length, target.device, dense=cpu.EAGER_CPU_ATTENTION == "sdpa",
-                          batch=part.shape[0])
+        if target.device.type == "cpu":
+            cpu.use_cpu_classes(target)  # its layers attend as an engine's on the CPU
+        mask = PrefixMask(n, length, target.device, batch=part.shape[0])
         mask.allow.copy_(causal(n))
         pos = torch.arange(n, device=target.device).expand_as(part)
         last = torch.full((part.shape[0], 1), n - 1, device=target.device)
@@ -444,7 +442,7 @@ def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: st
     if control == "stale_commit" and not target.recurrent:
         raise ValueError("control stale_commit needs a target with recurrent layers (--hybrid)")
     out = {"control_name": control}
-    with attention(attention_kind, target, drafter):
+    with attention(attention_kind):
         law = exact_law(target, prompt, n, s, batch)
         probs, margin = law.probs, law.margin
         out["margin"], out["law"] = margin, law

@@ -141,6 +141,7 @@ def test_attention_layer_runs_the_kernel_where_it_applies(monkeypatch, dtype):
     attn.k_cache.normal_(), attn.v_cache.normal_()
     calls = []
     monkeypatch.setattr(cpu, "cpu_attention", lambda *a: calls.append(1) or cpu_attention(*a))
+    monkeypatch.setattr(cpu, "EAGER_CPU_ATTENTION", "kernel")  # eager, as compiled rounds attend
     with torch.inference_mode():
         ours = attn(x, cos, sin, torch.arange(40, 45)[None], block_mask)
         monkeypatch.setattr(cpu, "USE_CPU_KERNEL", False)

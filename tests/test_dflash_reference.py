@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import cpu
 from conftest import float64_kept
 from ddtree import block_mask, generate
 from drafter import DFlashDrafter
@@ -119,7 +120,8 @@ def block_outputs(ref, ours, target, context_len=9, seed=2):
         ours.setup_cache(128)
         positions = torch.arange(context_len)[None]
         ours.append_context(features, positions, positions)
-        masks = {kind: block_mask(BLOCK, 128, "cpu", True, 1, *kind).set(start)  # as the engine makes them
+        cpu.use_cpu_classes(ours)  # as an eager CPU engine attends
+        masks = {kind: block_mask(BLOCK, 128, "cpu", 1, *kind).set(start)  # as the engine makes them
                  for kind in ours.config.mask_kinds}
         pos = torch.arange(start, start + BLOCK)[None]
         mine = ours(block, pos, pos, masks, rows=slice(1, None))

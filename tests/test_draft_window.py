@@ -18,8 +18,9 @@ from drafter import DFlashDrafter
 from model import Qwen3
 from sampler import Sampling
 from settings import Speculation
-from test_tree_attn import KV_LEN, explicit_mask, qkv, sdpa_reference
-from tree_attn import PrefixMask, dense_mask
+import cpu
+from test_tree_attn import KV_LEN, explicit_mask, mask_everywhere, qkv, sdpa_reference
+from tree_attn import PrefixMask
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa
@@ -44,8 +45,8 @@ def test_context_mask_equals_dense_sdpa(q_len, prefix, context, window):
         dense &= (slot - own).abs() < window
     mask = PrefixMask(q_len, KV_LEN, "cpu", window=window, context=context)
     block_mask = mask.set(prefix, allow)
-    assert torch.equal(dense_mask(mask.block_mask, KV_LEN)[0, 0], dense)
-    as_sdpa = PrefixMask(q_len, KV_LEN, "cpu", dense=True, window=window, context=context).set(prefix, allow)[0, 0]
+    assert torch.equal(mask_everywhere(block_mask)[0, 0], dense)
+    as_sdpa = cpu.dense_mask(block_mask, q_len)[0, 0]  # eager CPU attention's: the KV blocks visited
     assert torch.equal(as_sdpa, dense[:, :as_sdpa.shape[1]]) and not dense[:, as_sdpa.shape[1]:].any()
     q, k, v = qkv(q_len, seed=prefix)
     out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)  # the blocks visited hold every slot
@@ -102,7 +103,8 @@ def compact_drafts(drafter, bonus, prompt_len: int, window: int, length: int):
         cache.zero_()
         cache[:, :, :window] = kept
     bs = drafter.block_size
-    masks = {kind: block_mask(bs, SLOTS, "cpu", True, 1, *kind).set(window) for kind in drafter.config.mask_kinds}
+    cpu.use_cpu_classes(drafter)  # as an eager CPU engine attends
+    masks = {kind: block_mask(bs, SLOTS, "cpu", 1, *kind).set(window) for kind in drafter.config.mask_kinds}
     tokens = torch.cat([bonus[:, None], torch.full((1, bs - 1), drafter.config.mask_token_id)], 1)
     positions, slots = prompt_len + torch.arange(bs)[None], window + torch.arange(bs)[None]
     return drafter.logits(drafter(tokens, positions, slots, masks, rows=slice(1, None)))[:, :length]

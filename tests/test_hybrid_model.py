@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import cpu
 import draft_tree
 from conftest import WeightReads, float64_kept, written_once
 from test_model import copy_checkpoint, raises, rewrite_config, rewrite_weights
@@ -149,7 +150,8 @@ def prefill(m, prompts, logits_check=None):
     tokens = torch.zeros(N, total, dtype=torch.long)
     for n, p in enumerate(prompts):
         tokens[n, :len(p)] = torch.tensor(p)
-    mask = PrefixMask(CHUNK, CACHE, "cpu", dense=True, batch=N)
+    cpu.use_cpu_classes(m)  # as an eager CPU engine attends
+    mask = PrefixMask(CHUNK, CACHE, "cpu", batch=N)
     m.reset_recurrent()
     out = []
     for start in range(0, total, CHUNK):
@@ -166,7 +168,8 @@ def prefill(m, prompts, logits_check=None):
 def decode(m, tokens, positions, recurrent="chain"):
     """One row per request: tokens [N] at positions [N] (= slots)."""
     N = len(tokens)
-    mask = PrefixMask(1, CACHE, "cpu", dense=True, batch=N)
+    cpu.use_cpu_classes(m)
+    mask = PrefixMask(1, CACHE, "cpu", batch=N)
     rec = Recurrent.chain(torch.ones(N, dtype=torch.long)) if recurrent == "chain" else None
     with torch.no_grad():
         logits, _ = m(tokens[:, None], positions[:, None], positions[:, None],
@@ -246,7 +249,8 @@ def test_tree_rows_and_commit_equal_transformers(ckpt, name, dtype):
     rows = torch.randint(0, 256, (N, B + 1), generator=gen)  # [root (the bonus), nodes...]
     positions = start[:, None] + depth
     slots = start[:, None] + torch.arange(B + 1)
-    mask = PrefixMask(B + 1, CACHE, "cpu", dense=True, batch=N)
+    cpu.use_cpu_classes(m)
+    mask = PrefixMask(B + 1, CACHE, "cpu", batch=N)
     tree = Recurrent.tree(parents, anc)
     before = [t.clone() for t in m.state_tensors()]
     with torch.no_grad():

@@ -135,7 +135,7 @@ def test_dflash2_round_traces_whole(models, monkeypatch):
     eager's round."""
     target, drafter = models
     prompt = random_prompts(1, VOCAB, 20, seed=4)[0]
-    monkeypatch.setattr(cpu, "dense_masks", lambda device_type: False)  # BlockMasks, as a compiled engine's
+    monkeypatch.setattr(cpu, "EAGER_CPU_ATTENTION", "kernel")  # the eager round attends as the traced one
     torch._dynamo.reset()  # the nested layer regions traced by earlier compiled tests are not this model's
     engine = Engine(target, drafter, "ddtree", Sampling(temperature=0.8), Speculation(budget=16), 1024,
                     compile=False)

@@ -24,6 +24,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import cpu
 import loading
 import model as model_mod
 from conftest import WeightReads, written_once
@@ -165,10 +166,12 @@ def hf_logits(hf, ids, **kw):
 
 
 def ours_causal(m, ids, start=0, **kw):
-    """Run `ids` at positions/slots start.. with a causal mask over a cache whose first `start` slots are set."""
+    """Run `ids` at positions/slots start.. with a causal mask over a cache whose first `start` slots are set, as an
+    eager CPU engine attends (cpu.use_cpu_classes)."""
     n = len(ids)
     pos = torch.arange(start, start + n)
-    mask = PrefixMask(n, m.layers[0].self_attn.k_cache.shape[2], "cpu", dense=True)
+    cpu.use_cpu_classes(m)
+    mask = PrefixMask(n, m.layers[0].self_attn.k_cache.shape[2], "cpu")
     with torch.no_grad():
         return m(ids, pos, pos, mask.set(start, causal(n)), **kw)
 
@@ -272,7 +275,7 @@ def test_cached_decode_equals_full_forward(ckpt):
     prompt = 10
     pre, _ = ours_causal(m, ids[:prompt])
     assert max_diff(pre, full[:prompt]) < TOL
-    step = PrefixMask(1, CACHE, "cpu", dense=True)
+    step = PrefixMask(1, CACHE, "cpu")
     one = torch.ones(1, 1, dtype=torch.bool)
     with torch.no_grad():
         for s in range(prompt, 30):
@@ -379,7 +382,7 @@ def test_tree_rows_equal_their_root_to_node_paths(ckpt, name):
     ours_causal(m, prompt)  # committed prefix in slots 0..start-1
     pos = start + torch.tensor(depth)
     slots = start + torch.arange(n)
-    mask = PrefixMask(n, CACHE, "cpu", dense=True)
+    mask = PrefixMask(n, CACHE, "cpu")
     with torch.no_grad():
         tree_logits, _ = m(tokens, pos, slots, mask.set(start, allow))
 
@@ -683,12 +686,12 @@ def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     calls of a single subgraph, each layer's weights and caches passed in), with the outputs and cache writes of
     the inlined layers; the switch off, as every frozen graph traces (cpu.compile_frozen: freezing's prepacking
     needs the weights as constants), every layer is inlined."""
-    import cpu
+    from torch._dynamo.utils import compilation_time_metrics
     path, _ = ckpt("gqa3")
     m = load(path)
     ids = token_ids(12, seed=6)
     pos = torch.arange(12)
-    mask = PrefixMask(12, CACHE, "cpu", dense=True).set(0, causal(12))
+    mask = PrefixMask(12, CACHE, "cpu").set(0, causal(12))
 
     def regions(**patch):
         graphs = []
@@ -708,8 +711,12 @@ def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     zero_cache(m)
     ref, _ = ours_causal(m, ids)
     ref_caches = [c.clone() for c in m.kv_caches()]
+    # The BlockMask goes in as its tensors and is rebuilt inside: dynamo traces the region once and reuses the trace
+    # for every later layer (a BlockMask argument would make it trace each layer again).
+    compilation_time_metrics.clear()
     logits, bodies, caches = regions()
     assert len(bodies) == len(m.layers) >= 2 and len(set(bodies)) == 1
+    assert len(compilation_time_metrics["invoke_subgraph_trace"]) == 1, dict(compilation_time_metrics)
     assert max_diff(logits, ref) < 1e-5 and all(max_diff(a, b) < 1e-5 for a, b in zip(caches, ref_caches))
     with cpu.layers_inlined():
         assert regions()[1] == []
@@ -717,15 +724,6 @@ def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     seen = []  # what a frozen graph's trace reads of the switch
     cpu.compile_frozen(lambda x: (seen.append(model_mod.COMPILE_LAYERS_ONCE), x + 1)[1])(torch.ones(2))
     assert seen == [False] and model_mod.COMPILE_LAYERS_ONCE
-    # A PrefixMask's BlockMask goes in as its tensors and is rebuilt inside: dynamo traces the region once and
-    # reuses the trace for every later layer (a BlockMask argument would make it trace each layer again).
-    from torch._dynamo.utils import compilation_time_metrics
-    compilation_time_metrics.clear()
-    mask = PrefixMask(12, CACHE, "cpu").set(0, causal(12))
-    logits, bodies, caches = regions()
-    assert len(bodies) == len(m.layers) and len(set(bodies)) == 1
-    assert len(compilation_time_metrics["invoke_subgraph_trace"]) == 1, dict(compilation_time_metrics)
-    assert max_diff(logits, ref) < 1e-5 and all(max_diff(a, b) < 1e-5 for a, b in zip(caches, ref_caches))
     monkeypatch.setattr(model_mod, "COMPILE_LAYERS_ONCE", False)
     logits, bodies, _ = regions()
     assert bodies == [] and max_diff(logits, ref) < 1e-5

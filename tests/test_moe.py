@@ -12,6 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+import cpu
 from conftest import compiled_equals_eager
 from ddtree import generate
 from drafter import DFlashDrafter
@@ -70,7 +71,8 @@ def checkpoints(tmp_path_factory):
 
 
 def ours_rows(m, ids, pos, slots, allow, start):
-    mask = PrefixMask(len(ids), m.layers[0].self_attn.k_cache.shape[2], "cpu", dense=True)
+    cpu.use_cpu_classes(m)  # as an eager CPU engine attends
+    mask = PrefixMask(len(ids), m.layers[0].self_attn.k_cache.shape[2], "cpu")
     with torch.no_grad():
         return m(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), mask.set(start, allow))[0]
 

@@ -19,6 +19,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
+import cpu
 from conftest import float64_kept, written_once
 from ddtree import block_mask, generate
 from drafter import DFlashDrafter
@@ -177,7 +178,8 @@ def our_logits(m: Qwen3, ids: torch.Tensor, first: int) -> torch.Tensor:
     m.setup_cache(128)
     if m.recurrent:
         m.reset_recurrent()
-    mask = PrefixMask(Q, 128, "cpu", dense=True).set(torch.zeros(1, dtype=torch.long), causal(Q)[None])
+    cpu.use_cpu_classes(m)  # as an eager CPU engine attends
+    mask = PrefixMask(Q, 128, "cpu").set(torch.zeros(1, dtype=torch.long), causal(Q)[None])
     with torch.no_grad():
         logits, _ = m(ids, first + torch.arange(Q), torch.arange(Q), mask)
     return logits
@@ -238,7 +240,8 @@ def test_drafter_block_with_yarn_equals_the_reference(tmp_path):
     with torch.no_grad():
         ours.setup_cache(128)
         ours.append_context(features, FAR + torch.arange(context)[None], torch.arange(context)[None])
-        masks = {kind: block_mask(block, 128, "cpu", True, 1, *kind).set(context) for kind in ours.config.mask_kinds}
+        cpu.use_cpu_classes(ours)  # as an eager CPU engine attends
+        masks = {kind: block_mask(block, 128, "cpu", 1, *kind).set(context) for kind in ours.config.mask_kinds}
         mine = ours(torch.zeros(1, block, dtype=torch.long), FAR + context + torch.arange(block)[None],
                     context + torch.arange(block)[None], masks)
     torch.testing.assert_close(mine, theirs, rtol=0, atol=TOL)

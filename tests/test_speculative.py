@@ -165,29 +165,37 @@ def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_pa
     assert calls == [(options, True)] + [(options, False)] * (res.stats["rounds"] - 1)
 
 
-def test_engine_decides_tree_builder_and_attention_once(models):
-    """Eager engines build trees with the paper's heap and hand SDPA the materialized mask (on the CPU); compiled
-    engines use the tensor builder and the BlockMask (our CPU kernel in float32 and bf16, FlexAttention otherwise),
-    and on the CPU prefill eagerly (SDPA, the mask materialized): chosen in the constructor, the same for every
-    call."""
+def test_engine_decides_tree_builder_and_attention_once(models, monkeypatch):
+    """Eager engines build trees with the paper's heap, compiled engines with the tensor builder; every engine hands
+    its layers BlockMasks, and on the CPU gives its models' layers the CPU classes, which attend eagerly with SDPA
+    over the mask materialized and in compiled rounds with our CPU kernel (float32 and bf16; FlexAttention
+    otherwise); the CPU's prefill stays eager: chosen in the constructor, the same for every call."""
+    from torch.nn.attention.flex_attention import BlockMask
     from draft_tree import build_tree, build_tree_heap
     target, drafters = models
     cpu.start_cpu_isa_probe.cache_clear()
-    for compile, builder, dense in ((False, build_tree_heap, True), (True, build_tree, False)):
+    dense_attention, dense_calls = cpu.dense_attention, []
+    monkeypatch.setattr(cpu, "dense_attention", lambda *a: dense_calls.append(1) or dense_attention(*a))
+    for compile, builder in ((False, build_tree_heap), (True, build_tree)):
+        for model in (target, drafters[5]):  # the models' own classes, before the engine
+            for m in model.modules():
+                m.__class__ = {cpu.CpuAttention: Attention, cpu.CpuLinear: Linear}.get(type(m), type(m))
         engine = Engine(target, drafters[5], "ddtree", Sampling(), Speculation(budget=4), 1024, compile)
-        masks = (engine.decode_mask, *engine.draft_masks.values(), engine.verify_mask)
-        assert engine.build_tree is builder and all(m.dense == dense for m in masks)
-        assert isinstance(engine.verify_mask.set(3), torch.Tensor) == dense
-        assert engine.prefill_mask.dense and engine.prefill_step.__func__ is Engine.prefill_step
+        masks = (engine.prefill_mask, engine.decode_mask, *engine.draft_masks.values(), engine.verify_mask)
+        assert engine.build_tree is builder and all(isinstance(m.set(3), BlockMask) for m in masks)
+        assert not engine.prefill_compiled and engine.prefill_step.__func__ is Engine.prefill_step
         assert cpu.start_cpu_isa_probe.cache_info().currsize == int(bool(compile))  # started by compiled engines
+        for model in (target, drafters[5]):
+            assert {type(m) for m in model.modules() if isinstance(m, (Attention, Linear))} == {cpu.CpuAttention,
+                                                                                                 cpu.CpuLinear}
     # compiled CPU engines load the attention kernel, and their float32 rounds run it (cpu.cpu_kernel_applies)
     assert cpu.cpu_kernel_loaded
     q = torch.zeros(1, 4, 5, target.config.head_dim)
     assert cpu.cpu_kernel_applies(q, target.layers[0].self_attn.k_cache, engine.verify_mask.block_mask)
-    # ... through the CPU classes that compiled CPU engines give their models' layers (cpu.prepare)
-    for model in (target, drafters[5]):
-        assert {type(m) for m in model.modules() if isinstance(m, (Attention, Linear))} == {cpu.CpuAttention,
-                                                                                             cpu.CpuLinear}
+    # an eager step (the prefill, eager in both) attends with SDPA over the mask materialized, on the prompt's rows
+    with torch.inference_mode():
+        engine.start([[5, 6, 7]], [0])
+    assert len(dense_calls) == len(target.layers) and engine.prefill_mask.q_len == 3
 
 
 def test_compiled_sampling_equals_eager_without_recompiles(models):

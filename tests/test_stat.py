@@ -88,7 +88,7 @@ def test_dense_attention_matches_flex_and_the_kernel(pair, monkeypatch):
         for kind in ("flex", "dense", "kernel"):
             for c in calls.values():
                 c.clear()
-            with st.attention(kind, target, drafter):
+            with st.attention(kind):
                 runs[kind] = [generate(target, drafter if kw["method"] != "ar" else None, PROMPT, max_new_tokens=8,
                                        seed=s, stop_ids=[], **grouped(kw), **grouped(WARP)).tokens for s in range(6)]
             assert {k: len(c) > 0 for k, c in calls.items()} == {"flex": kind == "flex", "kernel": kind == "kernel"}

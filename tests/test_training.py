@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import cpu
 from conftest import pair_config, write_drafter, write_target
 from ddtree import generate
 from drafter import DFlashDrafter
@@ -47,7 +48,8 @@ def inference_forward(target, ids, feature_layers=()):
     n = ids.numel()
     target.setup_cache(CACHE)
     pos = torch.arange(n)
-    mask = PrefixMask(n, CACHE, "cpu", dense=True)
+    cpu.use_cpu_classes(target)  # as an eager CPU engine attends
+    mask = PrefixMask(n, CACHE, "cpu")
     with torch.no_grad():
         return target(ids, pos, pos, mask.set(0, causal(n)), feature_layers=feature_layers)
 
@@ -171,7 +173,8 @@ def test_drafter_training_forward_equals_draft(pair):
         logits = training_logits(drafter, target.embed_tokens, target.lm_head, features, blocks, positions,
                                  training_mask(anchors, tokens.shape[1], bs))
     drafter.setup_cache(CACHE)
-    draft_mask = PrefixMask(bs, CACHE, "cpu", dense=True)
+    cpu.use_cpu_classes(drafter)
+    draft_mask = PrefixMask(bs, CACHE, "cpu")
     draft_mask.allow.fill_(True)
     for b in range(2):
         for j, a in enumerate(anchors[b].tolist()):

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
+from cpu import dense_mask
 from draft_tree import ancestor_matrix, build_tree
-from tree_attn import BLOCK, PrefixMask, causal, compact_kv, dense_mask, flex_kernel_options
+from tree_attn import BLOCK, PrefixMask, causal, compact_kv, flex_kernel_options
 
 KV_LEN = 256
 
@@ -30,6 +31,13 @@ def sdpa_reference(q, k, v, dense):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
 
 
+def mask_everywhere(block_mask):
+    """A BlockMask's mask_mod over every slot of the cache: [batch, 1, q_len, kv_len]."""
+    q_len, kv_len = block_mask.seq_lengths
+    b = torch.arange(block_mask.kv_indices.shape[0])[:, None, None, None]
+    return block_mask.mask_mod(b, 0, torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :])
+
+
 def explicit_mask(prefix, anc, q_len):
     """The intended mask written out by hand: committed slots < prefix, then the tree's ancestor-or-self rows."""
     dense = torch.zeros(q_len, KV_LEN, dtype=torch.bool)
@@ -46,13 +54,29 @@ def test_tree_mask_equals_dense_sdpa(budget, depth, vocab, prefix, seed):
     mask = PrefixMask(budget + 1, KV_LEN, "cpu")
     block_mask = mask.set(prefix, anc)
     dense = explicit_mask(prefix, anc, budget + 1)
-    assert torch.equal(dense_mask(mask.block_mask, KV_LEN)[0, 0], dense)
-    # dense=True hands SDPA the same mask over the KV blocks it visits, and nothing is visible past them
-    as_sdpa = PrefixMask(budget + 1, KV_LEN, "cpu", dense=True).set(prefix, anc)[0, 0]
+    assert torch.equal(mask_everywhere(block_mask)[0, 0], dense)
+    # eager CPU attention hands SDPA the same mask over the KV blocks it visits, and nothing is visible past them
+    as_sdpa = dense_mask(block_mask, budget + 1)[0, 0]
     assert torch.equal(as_sdpa, dense[:, :as_sdpa.shape[1]]) and not dense[:, as_sdpa.shape[1]:].any()
     q, k, v = qkv(budget + 1, seed)
     out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(out, sdpa_reference(q, k, v, dense), atol=1e-5, rtol=1e-5)
+
+
+def test_eager_cpu_mask_is_materialized_again_after_each_set():
+    """cpu.dense_mask keeps the mask it materialized on the BlockMask, for the layers of one forward, and makes it
+    again once the PrefixMask's tensors are written again: a new allow under the same prefix, a new prefix, an
+    allow written in place."""
+    with torch.inference_mode():  # as the engine makes and sets its masks
+        mask = PrefixMask(4, KV_LEN, "cpu")
+        first = dense_mask(mask.set(10, causal(4)), 4)
+        assert dense_mask(mask.block_mask, 4) is first
+        for prefix, allow in ((10, torch.ones(4, 4, dtype=torch.bool)), (200, None)):
+            again = dense_mask(mask.set(prefix, allow), 4)
+            assert torch.equal(again, mask_everywhere(mask.block_mask)[..., :again.shape[-1]])
+            assert not torch.equal(again[..., :first.shape[-1]], first)
+        mask.allow.zero_()
+        assert not dense_mask(mask.block_mask, 4)[..., 200:].any()
 
 
 def test_mask_rows_see_only_prefix_and_ancestors():
@@ -63,7 +87,7 @@ def test_mask_rows_see_only_prefix_and_ancestors():
     assert torch.equal(anc, expected)
     mask = PrefixMask(4, KV_LEN, "cpu")
     mask.set(10, anc)
-    dense = dense_mask(mask.block_mask, KV_LEN)[0, 0]
+    dense = mask_everywhere(mask.block_mask)[0, 0]
     assert dense[:, :10].all() and not dense[:, 14:].any()
     assert torch.equal(dense[:, 10:14], expected)
 
@@ -146,7 +170,7 @@ def test_batched_mask_gives_each_request_its_own_prefix_and_tree():
     prefixes = torch.tensor([0, 130, 57])
     mask = PrefixMask(budget + 1, KV_LEN, "cpu", batch=3)
     block_mask = mask.set(prefixes, torch.stack([anc.to(torch.uint8) for _, anc in trees]))
-    dense = dense_mask(mask.block_mask, KV_LEN)
+    dense = mask_everywhere(block_mask)
     assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 1]
     assert mask.full_num.flatten().tolist() == [0, 1, 0]
     q, k, v = (torch.cat(parts) for parts in zip(*(qkv(budget + 1, seed=s) for s in (5, 6, 7))))
@@ -156,7 +180,7 @@ def test_batched_mask_gives_each_request_its_own_prefix_and_tree():
         assert torch.equal(dense[n, 0], expected)
         torch.testing.assert_close(out[n:n + 1], sdpa_reference(q[n:n + 1], k[n:n + 1], v[n:n + 1], expected),
                                    atol=1e-5, rtol=1e-5)
-    as_sdpa = PrefixMask(budget + 1, KV_LEN, "cpu", dense=True, batch=3).set(prefixes, mask.allow)
+    as_sdpa = dense_mask(block_mask, budget + 1)
     assert torch.equal(as_sdpa, dense[..., :as_sdpa.shape[-1]])
 
 
@@ -210,9 +234,9 @@ def test_sliding_window_mask_equals_dense_sdpa(q_len, window, prefix, seed):
     mask = PrefixMask(q_len, KV_LEN, "cpu", window=window)
     block_mask = mask.set(prefix, allow)
     dense = explicit_window_mask(prefix, allow, q_len, window)
-    assert torch.equal(dense_mask(mask.block_mask, KV_LEN)[0, 0], dense)
+    assert torch.equal(mask_everywhere(block_mask)[0, 0], dense)
     # the blocks visited hold every visible slot, and the dense path covers them
-    as_sdpa = PrefixMask(q_len, KV_LEN, "cpu", dense=True, window=window).set(prefix, allow)[0, 0]
+    as_sdpa = dense_mask(block_mask, q_len)[0, 0]
     assert torch.equal(as_sdpa, dense[:, :as_sdpa.shape[1]]) and not dense[:, as_sdpa.shape[1]:].any()
     q, k, v = qkv(q_len, seed)
     out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
