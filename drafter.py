@@ -27,7 +27,7 @@ from loading import (check_pair, dflash_config_fields, load_weights, parse_devic
                      resolve_checkpoint)
 from draft_tree import Lattice
 from gated_delta import compute_dtype
-from model import Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layer_kv_caches, rope_cos_sin, run_layer
+from model import Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, rope_cos_sin, run_layer
 from rope import rope_frequencies
 import tp
 
@@ -196,7 +196,7 @@ class DFlashDrafter(nn.Module):
         allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
 
     def kv_caches(self):
-        return layer_kv_caches(self.layers)
+        return [c for layer in self.layers for c in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
 
     def append_context(self, features, positions, cache_pos):
         """Write the context K/V of committed tokens: features [N, W, len(ids) * hidden] (the target's chosen-layer
@@ -205,7 +205,9 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
         cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor, ctx.dtype))
         for layer in self.layers:
-            layer.self_attn.write_kv(ctx, cos, sin, cache_pos)
+            attn = layer.self_attn  # the K/V rows of its stacked weight alone: context rows are never queries
+            k, v = F.linear(ctx, attn.qkv_proj.weight[attn.q_rows:]).chunk(2, dim=-1)
+            attn.store_kv(k, v, cos, sin, cache_pos)
 
     def forward(self, block_tokens, positions, cache_pos, masks: dict, rows: slice = slice(None)):
         """One denoising pass over blocks [N, block_size] -> the final normed hidden states [N, block_size, H] of

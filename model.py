@@ -224,15 +224,6 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
         self.kv_rows = None  # the (K, V) buffers the caches are the first rows of (allocate_kv_caches)
 
-    def kv_proj(self, x):
-        """(k, v) projections of rows x alone: the K/V rows of the stacked weight (a drafter's context rows are
-        keys and values, never queries)."""
-        return F.linear(x, self.qkv_proj.weight[self.q_rows:]).chunk(2, dim=-1)
-
-    def write_kv(self, x, cos, sin, cache_pos):
-        """The K and V of rows x [N, Q, hidden] into each request's own cache row (store_kv)."""
-        self.store_kv(*self.kv_proj(x), cos, sin, cache_pos)
-
     def store_kv(self, k, v, cos, sin, cache_pos):
         """Projected k, v [N, Q, kv_heads * head_dim] into the caches, k normed and roped: request n's row q goes to
         slot cache_pos[n, q], in one indexed write per cache."""
@@ -352,15 +343,6 @@ def greedy_choices(head, hidden) -> tuple:
     return logits.argmax(-1), torch.isfinite(logits).all(-1)
 
 
-def layer_kv_caches(layers):
-    """Each attention layer's K and V cache, in order (recurrent layers have none)."""
-    for layer in layers:
-        if not hasattr(layer, "self_attn"):
-            continue
-        yield layer.self_attn.k_cache
-        yield layer.self_attn.v_cache
-
-
 class Qwen3(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -368,6 +350,7 @@ class Qwen3(nn.Module):
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
+        self.recurrent_layers = [layer.linear_attn for layer in self.layers if layer.recurrent]  # in layer order
         self.norm = (ZeroCenteredRMSNorm if c.zero_centered_norm else RMSNorm)(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size)
         if c.tie_word_embeddings:
@@ -390,15 +373,14 @@ class Qwen3(nn.Module):
         multiple of 128), and per recurrent layer its conv state [batch, C, K - 1] (model dtype) and state
         [batch, Hv, Dk, Dv] (float32; float64 for a float64 model), reused the same way."""
         allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
-        for m in self.recurrent_layers():
+        for m in self.recurrent_layers:
             m.allocate(batch, self.dtype, self.device)
 
     def kv_caches(self):
-        return layer_kv_caches(self.layers)
-
-    def recurrent_layers(self):
-        """The Gated DeltaNet modules, in layer order."""
-        return [layer.linear_attn for layer in self.layers if layer.recurrent]
+        """Each attention layer's K and V cache, in order (recurrent layers have none)."""
+        for layer in self.layers:
+            if not layer.recurrent:
+                yield from (layer.self_attn.k_cache, layer.self_attn.v_cache)
 
     @property
     def recurrent(self) -> bool:
@@ -413,7 +395,7 @@ class Qwen3(nn.Module):
     def state_tensors(self):
         """Every per-request recurrent tensor (request row = dim 0): each recurrent layer's conv state, then its
         state (after setup_cache)."""
-        for m in self.recurrent_layers():
+        for m in self.recurrent_layers:
             yield m.conv_state
             yield m.state
 
@@ -422,7 +404,7 @@ class Qwen3(nn.Module):
         accepted path, and its conv state := the last K - 1 inputs along it. path [N, D + 1]: accepted rows from
         the root (entries past length ignored); length [N] >= 1 (counts the root). In place, static shapes, no host
         read. A no-op for a model without recurrent layers."""
-        commit_tree(self.recurrent_layers(), recurrent, path, length)
+        commit_tree(self.recurrent_layers, recurrent, path, length)
 
     def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), recurrent=None,
                 argmax=False):

@@ -762,7 +762,7 @@ def describe_hybrid(models, out):
     """The two models' shapes and sizes, and the recurrent state per token (here and at Qwen3.5-27B's size)."""
     hybrid = models["hybrid"]
     state = state_bytes_per_token(hybrid)
-    m0 = hybrid.recurrent_layers()[0]
+    m0 = hybrid.recurrent_layers[0]
     out["hybrid"] = dict(HYBRID, layer_types=list(hybrid.config.layer_types), state_bytes_per_token=state,
                          parameters=sum(t.numel() for t in hybrid.parameters()))
     out["dense"] = dict(path=os.path.relpath(DENSE, ROOT),
@@ -816,13 +816,13 @@ def memory_row(paths, hybrid, budget, out, a):
 def state_bytes_per_token(target) -> int:
     """Bytes of one token's recurrent states over every Gated DeltaNet layer (float32 [Hv, Dk, Dv] each, the
     state a per-node verifier would keep for every tree row; conv states not counted)."""
-    return sum(m.value_heads * m.key_dim * m.value_dim * 4 for m in target.recurrent_layers())
+    return sum(m.value_heads * m.key_dim * m.value_dim * 4 for m in target.recurrent_layers)
 
 
 def rr_bytes(target, rows: int) -> int:
     """Bytes of one float32 [H, R, R] matrix of the tree rule (H = the recurrent layers' value heads; 0 for a
     model without recurrent layers)."""
-    layers = target.recurrent_layers()
+    layers = target.recurrent_layers
     return layers[0].value_heads * rows * rows * 4 if layers else 0
 
 
