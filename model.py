@@ -161,13 +161,8 @@ COMPILE_LAYERS_ONCE = True
 
 
 @torch.compiler.nested_compile_region
-def _layer_once(layer, x, cos, sin, cache_pos, mask):
-    return layer(x, cos, sin, cache_pos, mask)
-
-
-@torch.compiler.nested_compile_region
-def _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, kv_num_blocks, kv_indices, full_num, full_idx, prefix,
-                            allow, window, context):
+def _layer_once(layer, x, cos, sin, cache_pos, kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow, window,
+                context):
     mask = prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow,
                              layer.self_attn.k_cache.shape[2], window or None, context or None)
     return layer(x, cos, sin, cache_pos, mask)
@@ -185,24 +180,23 @@ def _recurrent_tree_once(layer, x, parents, anc, depth):
     return (x, *next(iter(recurrent.pending.values())))
 
 
-def run_layer(layer, x, cos, sin, cache_pos, mask, recurrent=None):
-    """layer(x, ...); under torch.compile through the layers' one compiled region (see the switch above). A
-    recurrent layer's region takes the Recurrent's tensors and hands back what a tree verify leaves for the commit
-    (recurrent.pending)."""
-    if not (COMPILE_LAYERS_ONCE and torch.compiler.is_compiling()):
-        return layer(x, cos, sin, cache_pos, mask, recurrent)
+def layers_once() -> bool:
+    """Whether a forward calls its layers through run_layer_once: while torch.compile traces, with the switch on."""
+    return COMPILE_LAYERS_ONCE and torch.compiler.is_compiling()
+
+
+def run_layer_once(layer, x, cos, sin, cache_pos, mask, recurrent=None):
+    """layer(x, ...) through the layers' one compiled region (see the switch above). A recurrent layer's region takes
+    the Recurrent's tensors and hands back what a tree verify leaves for the commit (recurrent.pending)."""
     if layer.recurrent:
         if recurrent is not None and recurrent.is_tree:
             x, *pending = _recurrent_tree_once(layer, x, recurrent.parents, recurrent.anc, recurrent.depth)
             recurrent.pending[layer.linear_attn.index] = tuple(pending)
             return x
         return _recurrent_chain_once(layer, x, None if recurrent is None else recurrent.valid)
-    if hasattr(mask, "prefix_tensors"):
-        # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the mask goes
-        # in as its tensors and is rebuilt inside, so each distinct layer is traced once.
-        return _layer_once_prefix_mask(layer, x, cos, sin, cache_pos, *mask.prefix_tensors, mask.window or 0,
-                                       mask.context or 0)
-    return _layer_once(layer, x, cos, sin, cache_pos, mask)
+    # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the PrefixMask's
+    # BlockMask goes in as its tensors and is rebuilt inside, so each distinct layer is traced once.
+    return _layer_once(layer, x, cos, sin, cache_pos, *mask.prefix_tensors, mask.window or 0, mask.context or 0)
 
 
 class Attention(nn.Module):
@@ -426,9 +420,12 @@ class Qwen3(nn.Module):
             return logits, (None if features is None else features[0])
         x = self.embed_tokens(tokens)
         cos, sin = (t[:, None] for t in rope_cos_sin(input_pos, self.inv_freq, self.rope_attention_factor, x.dtype))
-        outputs, last = {}, len(self.layers) - 1
+        outputs, last, once = {}, len(self.layers) - 1, layers_once()
         for i, layer in enumerate(self.layers):
-            x = run_layer(layer, x, cos, sin, cache_pos, block_mask, recurrent)
+            if once:
+                x = run_layer_once(layer, x, cos, sin, cache_pos, block_mask, recurrent)
+            else:
+                x = layer(x, cos, sin, cache_pos, block_mask, recurrent)
             if i in feature_layers:
                 # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
                 # read the last layer were trained on that: match it (docs/checkpoints.md, "context features").
