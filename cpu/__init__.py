@@ -4,7 +4,7 @@ and attention layers their CPU classes (CpuLinear, CpuAttention) and, for a comp
 (`prepare`; frozen and autotuned for compile="max-autotune": `compile_frozen`).
 
 - Eager attention by SDPA over the BlockMask's mask_mod evaluated densely (`dense_mask`): eager FlexAttention on the
-  CPU runs a vmapped math fallback, far slower (docs/compile.md, "Eager attention on CPU").
+  CPU runs a vmapped math fallback, far slower (docs/compile.md, "Eager CPU attention uses SDPA").
 - The attention kernel (cpu/attention.cpp): a round's few query rows under a PrefixMask, several times faster than
   FlexAttention's CPU template at these sizes (docs/compile.md, "CPU attention kernel").
 - Frozen max-autotune graphs with oneDNN copies of the weights (docs/compile.md, "Few-row matmuls on CPU").

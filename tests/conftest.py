@@ -47,12 +47,14 @@ class HostReads:
     """Counts reads of tensor values into Python (tolist, item, bool, int, float, index) while active: on a GPU
     each one is a host sync, so a compiled round should make exactly one. A request also makes one outside its
     rounds: the prefill's first token with its soundness flag (a list prompt is checked in Python, reading
-    nothing)."""
+    nothing). The CPU's eager attention reads how many KV slots the mask it materializes covers (cpu.dense_mask,
+    on the CPU, where no read is a sync, and never on a GPU): those reads are counted apart, in mask_extents."""
 
     METHODS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
 
     def __enter__(self):
-        self.count, self.saved = 0, {}
+        import cpu
+        self.count, self.mask_extents, self.saved, self.dense_mask = 0, 0, {}, cpu.dense_mask.__code__
         for name in self.METHODS:
             self.saved[name] = vars(torch.Tensor).get(name)  # None: inherited from the C base class
             setattr(torch.Tensor, name, self.counted(getattr(torch.Tensor, name)))
@@ -60,7 +62,10 @@ class HostReads:
 
     def counted(self, method):
         def read(tensor, *args, **kwargs):
-            self.count += 1
+            if sys._getframe(1).f_code is self.dense_mask:
+                self.mask_extents += 1
+            else:
+                self.count += 1
             return method(tensor, *args, **kwargs)
         return read
 

@@ -9,10 +9,12 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.nn.attention.flex_attention import create_block_mask
 
 import compiling
 import cpu
-from conftest import PAIR_VOCAB, compiled_equals_eager, pair_config, random_prompts, write_drafter, write_target
+from conftest import (PAIR_VOCAB, HostReads, compiled_equals_eager, pair_config, random_prompts, write_drafter,
+                      write_target)
 from ddtree import Engine, Speculation, generate
 from drafter import DFlashDrafter
 from loading import checkpoint_tensors, default_target_layer_ids
@@ -192,10 +194,12 @@ def test_engine_decides_tree_builder_and_attention_once(models, monkeypatch):
     assert cpu.cpu_kernel_loaded
     q = torch.zeros(1, 4, 5, target.config.head_dim)
     assert cpu.cpu_kernel_applies(q, target.layers[0].self_attn.k_cache, engine.verify_mask.block_mask)
-    # an eager step (the prefill, eager in both) attends with SDPA over the mask materialized, on the prompt's rows
-    with torch.inference_mode():
+    # an eager step (the prefill, eager in both) attends with SDPA over the mask materialized, on the prompt's rows:
+    # materialized once for the forward's layers, its extent read once (apart from the first token's read)
+    with torch.inference_mode(), HostReads() as reads:
         engine.start([[5, 6, 7]], [0])
     assert len(dense_calls) == len(target.layers) and engine.prefill_mask.q_len == 3
+    assert (reads.count, reads.mask_extents) == (1, 1)
 
 
 def test_compiled_sampling_equals_eager_without_recompiles(models):
@@ -392,14 +396,15 @@ def test_sliding_window_drafter_layers_see_only_their_window(files, models, tmp_
             bonus = torch.tensor(engine.start([prompt], [0]))
             start = torch.tensor([len(prompt)])
             drafts[name] = engine.draft(bonus, start)
-        # the reference: the block's masks written out, the attention SDPA's
+        # the reference: the block's masks written out, as BlockMasks of those matrices (eager FlexAttention)
         bs = windowed.block_size
         slots, own = torch.arange(1024)[None, :], len(prompt) + torch.arange(bs)[:, None]
-        full = (slots < len(prompt) + bs)[None, None]
-        near = full & ((own - slots >= 0) & (own - slots < window))[None, None]
+        full = (slots < len(prompt) + bs).expand(bs, -1)
+        near = full & (own - slots >= 0) & (own - slots < window)
+        written = {kind: create_block_mask(lambda b, h, q, kv, m=m: m[q, kv], None, None, bs, 1024, device="cpu")
+                   for kind, m in (((window, True), near), ((None, False), full))}
         tokens = torch.cat([bonus[:, None], torch.full((1, bs - 1), windowed.config.mask_token_id)], 1)
-        ref = windowed.logits(windowed(tokens, own.T, own.T, {(window, True): near, (None, False): full},
-                                       rows=slice(1, None)))
+        ref = windowed.logits(windowed(tokens, own.T, own.T, written, rows=slice(1, None)))
     torch.testing.assert_close(drafts["windowed"], ref[:, :drafts["windowed"].shape[1]], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(drafts["windowed"], drafts["plain"], atol=1e-3)
     ar = ar_tokens(target, prompt)
