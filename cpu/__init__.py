@@ -70,10 +70,11 @@ def prepare(target, drafter, frozen: bool) -> float:
 
 
 def use_cpu_classes(*models):
-    """Every model.Linear and model.Attention of `models` (None: none) becomes a CpuLinear / CpuAttention, in place
-    (same weights and caches, the CPU forward): what every engine on the CPU runs, eager or compiled."""
+    """Every model.Linear and model.Attention of `models` becomes a CpuLinear / CpuAttention, in place (same weights
+    and caches, the CPU forward): what every engine on the CPU runs, eager or compiled. Anything else (None, a target
+    that shows only what ddtree.Target lists) keeps its layers."""
     swaps = {Linear: CpuLinear, Attention: CpuAttention}
-    for model in filter(None, models):
+    for model in (m for m in models if isinstance(m, nn.Module)):
         for m in model.modules():
             m.__class__ = swaps.get(type(m), type(m))
 
