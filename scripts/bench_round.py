@@ -613,9 +613,14 @@ def callgraph(a):
             print(f"  {f:16s} {name}")
 
 
+NOT_OURS = tuple(os.path.join(ROOT, d) + os.sep for d in ("tests", ".venv", "cpu"))
+
+
 def ours(filename: str) -> bool:
-    """Whether a frame's file is the repository's own code (not its tests, its virtual environment, or cpu/)."""
-    return filename.startswith(ROOT) and not any(os.sep + d + os.sep in filename for d in ("tests", ".venv", "cpu"))
+    """Whether a frame's file is the repository's own code (not its tests, its virtual environment, or cpu/). No
+    generator here: the profile hook also runs inside frames that dynamo evaluates (eager FlexAttention compiles
+    itself), and dynamo refuses to trace one."""
+    return filename.startswith(ROOT) and not filename.startswith(NOT_OURS)
 
 
 def profile_round(target, drafter, budget: int):
