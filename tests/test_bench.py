@@ -51,3 +51,20 @@ def test_context_runs_past_the_checkpoints_window_only_scaled_and_every_run_equa
         assert set(r["windows"]) == {"0", "16"} and r["prefill_tokens_per_s"] > 0
         assert all(w["same_tokens"] == 1 and w["tau"] >= 1 for w in r["windows"].values())
     assert (tmp_path / "tau_vs_length.png").exists()
+
+
+def test_callgraph_follows_one_round_to_the_attention(capsys, monkeypatch):
+    """bench.py callgraph on the bundled pair: the round's functions, the chain from generate() down to
+    Attention.attend (eager FlexAttention, which compiles itself while the profile hook runs), a whole generate()."""
+    import cpu
+    import ddtree
+    monkeypatch.setattr(cpu, "EAGER_CPU_ATTENTION", cpu.EAGER_CPU_ATTENTION)  # callgraph sets "flex"
+    monkeypatch.setattr(ddtree, "build_tree_heap", ddtree.build_tree_heap)  # and the compiled round's builder
+    # With the virtual environment inside the repository (as the README installs it), the profile hook also sees
+    # its frames, some of which dynamo evaluates: a hook that dynamo cannot trace fails here.
+    assert bench.main(["callgraph", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("one round (B = 16): ") and "ddtree.py" in out[0] and "model.py" in out[0]
+    assert out[1].startswith("generate -> attention: ") and out[1].endswith(" > round > draft > draft > forward > "
+                                                                            "forward > forward > attend")
+    assert out[2].startswith("a whole greedy generate()")
