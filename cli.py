@@ -14,9 +14,10 @@ import time
 import warnings
 from typing import NamedTuple
 
+import torch
+
 from batch import RequestsFailed
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate, generate_batch
-from draft_tree import format_tree
 from drafter import DFlashDrafter
 from memory import memory_line, memory_per_token
 from model import Qwen3
@@ -199,6 +200,43 @@ def auto_summary(a: dict) -> str:
     return (f"auto: best {a['choice']}; rounds run: {ran}; estimated tokens/s per request: {rates}; "
             f"{a['probe_rounds']} probe rounds ({a['probe_overhead_seconds'] * 1e3:+.0f} ms against the best); "
             f"{calibration} in {a['cost_file']}")
+
+
+def format_tree(tokens, parents, accepted_rows=None, decode=lambda t: str(t), probs=None, root="<bonus>"):
+    """A `tree`-style text picture of one round's tree (the CLI's --show-tree).
+
+    One line per node: decoded token, then its probability if `probs` ([B], e.g. q of the token at its depth) is
+    given, then "✓" if its row is in `accepted_rows` (rows of the accepted path; the root is row 0) and "·" if
+    not (marks only when accepted_rows is given). Children appear in rank order (= row order). Padding is skipped.
+    """
+    tokens, parents = (torch.as_tensor(t).tolist() for t in (tokens, parents))
+    probs = None if probs is None else torch.as_tensor(probs).tolist()
+    accepted = None if accepted_rows is None else set(torch.as_tensor(accepted_rows).reshape(-1).tolist())
+    children = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(p, []).append(i + 1)
+
+    def label(row):
+        text = root if row == 0 else decode(tokens[row - 1])
+        text = text.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+        if row > 0 and probs is not None:
+            text += f"  {probs[row - 1]:.3f}"
+        if accepted is not None:
+            text += "  ✓" if row in accepted else "  ·"
+        return text
+
+    lines = [label(0)]
+
+    def walk(row, indent):
+        kids = children.get(row, [])
+        for n, kid in enumerate(kids):
+            last = n == len(kids) - 1
+            lines.append(indent + ("└── " if last else "├── ") + label(kid))
+            walk(kid, indent + ("    " if last else "│   "))
+
+    walk(0, "")
+    return "\n".join(lines)
 
 
 def run_batch(args, target, drafter, text, prompts, requests, settings) -> int:

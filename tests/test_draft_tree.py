@@ -13,7 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, format_tree, order_key,
+from cli import format_tree
+from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, order_key,
                         pairs_within, topk_per_depth)
 
 INF = math.inf

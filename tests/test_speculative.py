@@ -118,7 +118,7 @@ def test_denoise_steps_run_and_stay_lossless(models):
 
 
 def test_show_tree_records_rounds(models):
-    from draft_tree import format_tree
+    from cli import format_tree
     target, drafters = models
     res = greedy(target, drafters[5], [2, 3, 4], method="ddtree", budget=10, max_new_tokens=8, show_tree=True)
     tokens, parents, depths, path, length = res.trees[0]
