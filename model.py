@@ -137,7 +137,7 @@ def apply_rope(x, cos, sin):
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias (on a compiled CPU engine, cpu.CpuLinear takes its place).
+    """nn.Linear without bias (on the CPU, eager or compiled, cpu.CpuLinear takes its place).
 
     `parts` ({checkpoint name: rows}, in order) stacks several of the checkpoint's projections of the same input
     into this one weight, so that a forward reads them in one GEMM instead of one each (gpt-fast's wqkv): the

@@ -89,8 +89,9 @@ CPU_ONE_ROW_REDUCTION = True
 
 
 class CpuLinear(Linear):
-    """model.Linear on a compiled CPU engine: in graphs, one row as a fused reduction (see the switch above), and in
-    frozen graphs several rows through oneDNN on the prepacked weight when `prepack_linears` gave it one."""
+    """model.Linear on the CPU: in compiled graphs, one row as a fused reduction (see the switch above), and in
+    frozen graphs several rows through oneDNN on the prepacked weight when `prepack_linears` gave it one; eager,
+    F.linear."""
     packed = None  # the weight in oneDNN's layout (prepack_linears); an attribute, not state
     packed_from = None  # (data_ptr, version) of the weight it was packed from
 
