@@ -83,7 +83,7 @@ def cost_key(engine) -> str:
                dtype=str(target.dtype), target=asdict(target.config), drafter=asdict(drafter.config),
                compile=engine.compiled, batch=engine.batch, slots=engine.max_seq_len,
                sampling=asdict(engine.sampling), denoise_steps=engine.spec.denoise_steps)
-    if tp.enabled():  # (one device's keys stay as they were: their calibrations still serve)
+    if tp.enabled():  # (a one-device key has no ranks, so the calibrations on file for it keep matching it)
         key["ranks"] = tp.world_size()
     return json.dumps(key, sort_keys=True, default=str)
 
