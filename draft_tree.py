@@ -1,10 +1,10 @@
 """Draft-tree construction: the B most probable prefixes under the drafter's per-position distributions.
 
 DDTree (paper §4.2-4.3; docs/lossless.md, "the optimal tree"): one drafter pass gives log-distributions
-logq[L, V] for the L positions after the bonus token. Under the factorized draft law Q(y) = prod_i q_i(y_i), a tree's expected acceptance length is
-the sum of its nodes' prefix probabilities (Prop. 1), so the best tree with B nodes is the set of the B most
-probable prefixes (Prop. 2), which is prefix-closed, and only the top-K = min(B, V) tokens of each depth can
-appear in it (Lemma 1).
+logq[L, V] for the L positions after the bonus token. Under the factorized draft law Q(y) = prod_i q_i(y_i), a
+tree's expected acceptance length is the sum of its nodes' prefix probabilities (Prop. 1), so the best tree with B
+nodes is the set of the B most probable prefixes (Prop. 2), which is prefix-closed, and only the top-K = min(B, V)
+tokens of each depth can appear in it (Lemma 1).
 
 Two builders with identical output (same tensors, bit for bit):
 
