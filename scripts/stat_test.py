@@ -21,10 +21,11 @@ check is instead that every sample equals the AR greedy sequence (no control). O
 runs, as the command line checks its own: one `error:` line and exit status 2.
 
 Speed. Eager FlexAttention on a CPU costs a fixed price per call whatever the size (docs/stat_test.md), so the
-engine's eager CPU runs hand their layers the same mask_mod materialized for SDPA instead (cpu.EAGER_CPU_ATTENTION):
-that is `--attention dense`, the default, the engine as is. `--attention flex` makes them run eager FlexAttention,
-the real kernel, and `--attention kernel` our CPU attention kernel (the one compiled CPU engines run) on the same
-mask. tests/test_stat.py checks that all three give the engine the same tokens for the same seeds.
+layers of the engine's eager CPU runs attend with SDPA over the same mask_mod materialized instead
+(cpu.EAGER_CPU_ATTENTION): that is `--attention dense`, the default, the engine as is. `--attention flex` makes
+them run eager FlexAttention, the real kernel, and `--attention kernel` our CPU attention kernel (the one compiled
+CPU engines run) on the same mask. tests/test_stat.py checks that all three give the engine the same tokens for
+the same seeds.
 
 Controls (`--control`; `auto` picks by method):
   residual_p    draft sampling: on rejection resample from p instead of the residual max(p - q, 0)
