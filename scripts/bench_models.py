@@ -996,6 +996,9 @@ def one_case(root, sampled, all_rows):
 # expert is split").
 
 
+MOE_CHECK_SIZES = dict(hidden=32, experts=8, inter=16, top_k=2, rows=[2, 9])  # --check's: few pairs, then many
+
+
 def moe_parallel_options(p):
     p.add_argument("--hidden", type=int, default=3072)
     p.add_argument("--experts", type=int, default=256)
@@ -1029,6 +1032,8 @@ def moe_parallel(a):
     does over a verify's rows on average; a skewed routing loads expert parallel's busiest rank more.
     """
     tp.quiet_other_ranks()
+    if a.check:
+        vars(a).update(MOE_CHECK_SIZES)  # the sizes are checked against the ranks below
     if not tp.enabled():
         raise ValueError("run it under torchrun with 2 ranks or more (torchrun --nproc-per-node N ...)")
     for name in ("experts", "inter"):
@@ -1129,7 +1134,7 @@ def slowest_rank_ms(forward, x, device, iters: int) -> float:
 def moe_parallel_check(a) -> float:
     """The largest difference, over a few row counts, between each scheme and the whole layer on one rank, at small
     sizes in float64 (--check)."""
-    a.hidden, a.experts, a.inter, a.top_k, a.rows = 32, 8, 16, 2, [2, 9]  # few pairs, then many
+    vars(a).update(MOE_CHECK_SIZES)
     device = torch.device("cpu")
     forwards, _ = moe_schemes(a, torch.float64, device)
     whole = moe_layer(range(a.experts), slice(0, a.inter), a, torch.float64, device)
