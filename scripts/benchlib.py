@@ -214,8 +214,8 @@ def verify_ms(target, budget: int, compile: bool, repeats: int, prompt_len: int 
     kv = -(-(prompt_len + n) // 1024) * 1024
     target.setup_cache(kv)
     parents, depths = random_tree(budget, g)
-    if not compile and dev.type == "cpu":
-        use_cpu_classes(target)  # eager layers attend as an eager CPU engine's (SDPA)
+    if dev.type == "cpu":  # the layers as every CPU engine runs them, eager (SDPA) or compiled, whatever ran before
+        use_cpu_classes(target)
     mask = PrefixMask(n, kv, dev)
     block_mask = mask.set(prompt_len, ancestor_matrix(parents.to(dev), int(depths.max()), dtype=torch.uint8))
     tokens = torch.randint(0, target.config.vocab_size, (n,), generator=g).to(dev)  # g goes on from the tree's draws
@@ -252,8 +252,8 @@ def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 25
     target.setup_cache(kv)
     parents, depths = random_tree(budget, torch.Generator().manual_seed(seed))
     anc = ancestor_matrix(parents[None].to(dev), int(depths.max()), dtype=torch.uint8)  # [1, R, R]
-    if not compile and dev.type == "cpu":
-        use_cpu_classes(target)  # eager layers attend as an eager CPU engine's (SDPA)
+    if dev.type == "cpu":  # the layers as every CPU engine runs them, eager (SDPA) or compiled, whatever ran before
+        use_cpu_classes(target)
     mask = PrefixMask(n, kv, dev)
     block_mask = mask.set(torch.tensor([prompt_len], device=dev), anc)
     tokens = torch.randint(0, target.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed)).to(dev)
