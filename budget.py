@@ -442,7 +442,8 @@ class AutoBudget:
         best = self.best()
         return dict(
             choice=name(best), rounds_per_candidate=counts, schedule=self.schedule,
-            probe_rounds=self.probe_rounds, probe_seconds=self.probe_seconds, probe_overhead_seconds=self.probe_overhead,
+            probe_rounds=self.probe_rounds, probe_seconds=self.probe_seconds,
+            probe_overhead_seconds=self.probe_overhead,
             catch_up_seconds=self.catch_up_seconds,
             calibrated_now=self.calibrated_now, calibrate_seconds=self.calibrate_seconds, cost_file=cache_file(),
             candidates={name(c): dict(

@@ -424,7 +424,8 @@ def safetensors_files(path: str) -> list[str]:
         shards = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
         for shard in shards:
             if not os.path.isfile(shard):
-                raise ValueError(f"{path}: model.safetensors.index.json lists {os.path.basename(shard)}, which is missing")
+                raise ValueError(f"{path}: model.safetensors.index.json lists {os.path.basename(shard)}, which is "
+                                 f"missing")
         return shards
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):

@@ -603,8 +603,8 @@ def callgraph(a):
     with torch.inference_mode():
         whole = profile_generate(target, drafter, a.budget, a.new_tokens)
     whole_named = {k: v for k, v in whole.items() if "<" not in k[1]}
-    print(f"a whole greedy generate() ({a.new_tokens} tokens, B = {a.budget}) on a warm engine: {len(whole_named)} named "
-          f"functions ({len(whole)} with lambdas and comprehensions) in {len({f for f, _ in whole_named})} files")
+    print(f"a whole greedy generate() ({a.new_tokens} tokens, B = {a.budget}) on a warm engine: {len(whole_named)} "
+          f"named functions ({len(whole)} with lambdas and comprehensions) in {len({f for f, _ in whole_named})} files")
     if a.list:
         for (f, name), lines in sorted(named.items()):
             print(f"  {f:16s} {name:40s} {lines:4d} lines")

@@ -35,8 +35,8 @@ for p in (HERE, ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from checkpoints import (CHAT_TEMPLATE, add_training_options, load_train_state, qwen3_config, save_checkpoint, save_train_state,  # noqa: E402
-                         stdlib_files, train_tokenizer, write_json_file)
+from checkpoints import (CHAT_TEMPLATE, add_training_options, load_train_state, qwen3_config,  # noqa: E402
+                         save_checkpoint, save_train_state, stdlib_files, train_tokenizer, write_json_file)
 from loading import checkpoint_tensors  # noqa: E402
 from model import Qwen3, Qwen3Config, apply_rope, rope_cos_sin  # noqa: E402
 

@@ -219,7 +219,8 @@ def test_hybrid_series_solve_in_the_engine_equals_ar(pair, monkeypatch):
     _, target, drafter, _ = pair
     monkeypatch.setattr(gated_delta, "TREE_SOLVE", "series")
     steps, series = [], gated_delta._solve_series
-    monkeypatch.setattr(gated_delta, "_solve_series", lambda A, rhs, depth: steps.append(depth) or series(A, rhs, depth))
+    monkeypatch.setattr(gated_delta, "_solve_series",
+                        lambda A, rhs, depth: steps.append(depth) or series(A, rhs, depth))
     deepest = 0
     for prompt in prompts(3, seed=2):
         res = greedy(target, drafter, prompt, method="ddtree", budget=64)

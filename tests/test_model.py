@@ -345,8 +345,8 @@ def test_feature_layers_match_hf_hidden_states(ckpt):
     _, f1 = ours_causal(m, ids, feature_layers=(1,))
     assert max_diff(f1, hs[2][0]) < TOL
     # The last layer: HF's hidden_states[num_layers] is taken after the final norm and official DFlash drafters
-    # reading it were trained on that, so model.py matches it (docs/checkpoints.md, "context features"; the raw residual stream would be
-    # O(1) off here).
+    # reading it were trained on that, so model.py matches it (docs/checkpoints.md, "context features"; the raw
+    # residual stream would be O(1) off here).
     _, f012 = ours_causal(m, ids, feature_layers=(0, 1, 2))
     assert max_diff(f012, torch.cat([hs[1][0], hs[2][0], hs[3][0]], dim=-1)) < TOL
     # Features come with logits_rows untouched (all rows).
@@ -656,7 +656,8 @@ def test_bf16_load_peak_memory(ckpt, tmp_path):
 
     def fill(*shape):  # values are irrelevant to memory; avoid spending seconds in randn
         return torch.full(shape, 0.01)
-    w = {"model.embed_tokens.weight": fill(1000, 512), "model.norm.weight": fill(512), "lm_head.weight": fill(1000, 512)}
+    w = {"model.embed_tokens.weight": fill(1000, 512), "model.norm.weight": fill(512),
+         "lm_head.weight": fill(1000, 512)}
     for i in range(12):
         w.update(layer_weights(f"model.layers.{i}.", 512, 2048, 8, 8, 64, fill))
     n_params = sum(t.numel() for t in w.values())
@@ -746,7 +747,8 @@ def test_config_fields_that_change_the_math_are_refused(broken, field, edit, mes
 
 
 def test_config_fields_that_do_not_change_the_math_load(broken):
-    rewrite_config(broken, lambda c: c.update(hidden_act="silu", layer_types=["full_attention"] * c["num_hidden_layers"],
+    rewrite_config(broken, lambda c: c.update(hidden_act="silu",
+                                              layer_types=["full_attention"] * c["num_hidden_layers"],
                                               sliding_window=4096, max_window_layers=2, attention_dropout=0.0,
                                               initializer_range=0.02, use_cache=True))
     Qwen3.from_pretrained(broken, device="cpu")

@@ -137,9 +137,9 @@ def test_compiled_equals_eager_without_recompiles(models):
 
 def test_max_autotune_equals_eager_and_runs_its_own_models(files, models, tmp_path, monkeypatch):
     # compile="max-autotune" on the CPU: frozen weights and autotuned matmuls (inductor's C++ GEMM templates or
-    # oneDNN on prepacked weights, whichever wins), the same tokens as eager, one host read per round, nothing recompiled; then the same settings
-    # on another target of the same shape (its weights frozen into graphs of its own): its own eager tokens,
-    # and the options never left in inductor's global config.
+    # oneDNN on prepacked weights, whichever wins), the same tokens as eager, one host read per round, nothing
+    # recompiled; then the same settings on another target of the same shape (its weights frozen into graphs of its
+    # own): its own eager tokens, and the options never left in inductor's global config.
     import torch._inductor.config as inductor
     target, drafters = models
     cases = list(zip(prompts(3, seed=13), (10, 60, 60)))
