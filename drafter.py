@@ -27,7 +27,7 @@ from loading import (check_pair, dflash_config_fields, load_weights, parse_devic
                      resolve_checkpoint)
 from draft_tree import Lattice
 from gated_delta import compute_dtype
-from model import Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, layers_once, rope_cos_sin, run_layer_once
+from model import Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, rope_cos_sin, run_layer
 from rope import rope_frequencies
 import tp
 
@@ -218,10 +218,8 @@ class DFlashDrafter(nn.Module):
         if self.config.input_embedding_scale != 1:
             x = x * self.config.input_embedding_scale
         cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor, x.dtype))
-        once = layers_once()
         for layer in self.layers:
-            mask = masks[layer.mask_kind]
-            x = run_layer_once(layer, x, cos, sin, cache_pos, mask) if once else layer(x, cos, sin, cache_pos, mask)
+            x = run_layer(layer, x, cos, sin, cache_pos, masks[layer.mask_kind])
         return self.norm(x[:, rows])
 
     def logits(self, hidden, lm_head=None):

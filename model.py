@@ -180,14 +180,13 @@ def _recurrent_tree_once(layer, x, parents, anc, depth):
     return (x, *next(iter(recurrent.pending.values())))
 
 
-def layers_once() -> bool:
-    """Whether a forward calls its layers through run_layer_once: while torch.compile traces, with the switch on."""
-    return COMPILE_LAYERS_ONCE and torch.compiler.is_compiling()
-
-
-def run_layer_once(layer, x, cos, sin, cache_pos, mask, recurrent=None):
-    """layer(x, ...) through the layers' one compiled region (see the switch above). A recurrent layer's region takes
-    the Recurrent's tensors and hands back what a tree verify leaves for the commit (recurrent.pending)."""
+def run_layer(layer, x, cos, sin, cache_pos, mask, recurrent=None):
+    """layer(x, ...) through the layers' one compiled region (see the switch above; eagerly the region is a plain
+    call). A recurrent layer's region takes the Recurrent's tensors and hands back what a tree verify leaves for the
+    commit (recurrent.pending). A BlockMask made elsewhere than a PrefixMask (a test's, written out) has no tensors
+    to rebuild it from: its layer is called as it is."""
+    if not COMPILE_LAYERS_ONCE or not (layer.recurrent or hasattr(mask, "prefix_tensors")):
+        return layer(x, cos, sin, cache_pos, mask, recurrent)
     if layer.recurrent:
         if recurrent is not None and recurrent.is_tree:
             x, *pending = _recurrent_tree_once(layer, x, recurrent.parents, recurrent.anc, recurrent.depth)
@@ -420,12 +419,9 @@ class Qwen3(nn.Module):
             return logits, (None if features is None else features[0])
         x = self.embed_tokens(tokens)
         cos, sin = (t[:, None] for t in rope_cos_sin(input_pos, self.inv_freq, self.rope_attention_factor, x.dtype))
-        outputs, last, once = {}, len(self.layers) - 1, layers_once()
+        outputs, last = {}, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            if once:
-                x = run_layer_once(layer, x, cos, sin, cache_pos, block_mask, recurrent)
-            else:
-                x = layer(x, cos, sin, cache_pos, block_mask, recurrent)
+            x = run_layer(layer, x, cos, sin, cache_pos, block_mask, recurrent)
             if i in feature_layers:
                 # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
                 # read the last layer were trained on that: match it (docs/checkpoints.md, "context features").

@@ -49,7 +49,7 @@ def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, all
     rows written from prefix[b] on, those that allow[b, q] marks; with a `window`, only the slots within
     window - 1 of its own slot prefix[b] + q (a sliding-window layer); with a `context`, of the slots before
     prefix[b] only the last `context` (the drafter's context window; every row alike). Also what a compiled layer
-    rebuilds its mask with (model.run_layer_once), so that the mask reaches it as tensors."""
+    rebuilds its mask with (model.run_layer), so that the mask reaches it as tensors."""
     q_len = allow.shape[-1]
     last = q_len - 1
 
@@ -82,20 +82,17 @@ class PrefixMask:
         self.q_len, self.kv_len, self.window, self.context = q_len, kv_len, window, context
         n_q, n_kv = -(-q_len // BLOCK), kv_len // BLOCK
         self.n_kv = n_kv
-        # Normal tensors even inside inference mode: their version counts the writes of `set`, which tells an eager
-        # attention that keeps what it derived from the mask when to derive it again (cpu.dense_mask).
-        with torch.inference_mode(False):
-            self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
-            # Bytes, not bool, nonzero = allowed, written with pointwise ops only (docs/compile.md, "Allow matrix as
-            # bytes", "Writing the allow matrix").
-            self.allow = torch.zeros(batch, q_len, q_len, dtype=torch.uint8, device=device)
-            # The blocks wholly below the prefix are "full": every row sees all their slots, so the kernel skips the
-            # mask_mod there (full_idx lists them from block 0 on; full_num says how many). The mask_mod decides
-            # only in the blocks from prefix // BLOCK on, which kv_indices lists; kv_num_blocks says how many. The
-            # C++ kernel wants the two index tensors distinct (docs/compile.md, "full-block tensors").
-            self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
-            self.kv_indices = torch.zeros(batch, 1, n_q, n_kv, dtype=torch.int32, device=device)
-            self.full_num = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
+        self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
+        # Bytes, not bool, nonzero = allowed, written with pointwise ops only (docs/compile.md, "Allow matrix as
+        # bytes", "Writing the allow matrix").
+        self.allow = torch.zeros(batch, q_len, q_len, dtype=torch.uint8, device=device)
+        # The blocks wholly below the prefix are "full": every row sees all their slots, so the kernel skips the
+        # mask_mod there (full_idx lists them from block 0 on; full_num says how many). The mask_mod decides
+        # only in the blocks from prefix // BLOCK on, which kv_indices lists; kv_num_blocks says how many. The
+        # C++ kernel wants the two index tensors distinct (docs/compile.md, "full-block tensors").
+        self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
+        self.kv_indices = torch.zeros(batch, 1, n_q, n_kv, dtype=torch.int32, device=device)
+        self.full_num = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
         full_idx = torch.arange(n_kv, dtype=torch.int32, device=device).expand(batch, 1, n_q, n_kv).contiguous()
         self.blocks = torch.arange(n_kv, dtype=torch.int32, device=device)
         # The compiled steps write prefix, allow and the block tables in place. CUDA graph trees refuse graphs

@@ -132,13 +132,13 @@ def dense_attention(q, k_cache, v_cache, mask, scale: float) -> torch.Tensor:
 def dense_mask(block_mask, q_len: int) -> torch.Tensor:
     """A PrefixMask's BlockMask as a boolean [batch, 1, q_len, slots] tensor for SDPA: its mask_mod evaluated by
     broadcasting (plain elementwise tensor code) over its first q_len rows and the slots up to the last KV block
-    any request visits (one host read). Kept on the BlockMask until its PrefixMask's tensors are written again
-    (their versions count the writes), so that the layers of one forward evaluate it once."""
+    any request visits (one host read). Kept beside the PrefixMask's `allow` tensor (each layer's region rebuilds
+    the BlockMask from the same tensors: model.run_layer) while its prefix and allow hold the same values, so that
+    the layers of one forward evaluate it once."""
     prefix, allow = block_mask.prefix_tensors[4:]
-    key = (q_len, prefix._version, allow._version)
-    kept = getattr(block_mask, "dense", None)
-    if kept is not None and kept[0] == key:
-        return kept[1]
+    kept = getattr(allow, "dense", None)
+    if kept is not None and kept[0] == q_len and torch.equal(kept[1], prefix) and torch.equal(kept[2], allow):
+        return kept[3]
     visited = block_mask.kv_num_blocks.long()
     last = block_mask.kv_indices.gather(-1, (visited - 1).clamp(min=0)[..., None])[..., 0] + 1
     blocks = torch.maximum(torch.where(visited > 0, last, 0), block_mask.full_kv_num_blocks)
@@ -147,7 +147,7 @@ def dense_mask(block_mask, q_len: int) -> torch.Tensor:
     b = torch.arange(prefix.shape[0], device=device)[:, None, None, None]
     dense = block_mask.mask_mod(b, 0, torch.arange(q_len, device=device)[:, None],
                                 torch.arange(kv_len, device=device)[None, :])
-    block_mask.dense = (key, dense)
+    allow.dense = (q_len, prefix.clone(), allow.clone(), dense)
     return dense
 
 

@@ -65,6 +65,6 @@ def test_callgraph_follows_one_round_to_the_attention(capsys, monkeypatch):
     assert bench.main(["callgraph", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("one round (B = 16): ") and "ddtree.py" in out[0] and "model.py" in out[0]
-    assert out[1].startswith("generate -> attention: ") and out[1].endswith(" > round > draft > draft > forward > "
-                                                                            "forward > forward > attend")
+    assert out[1].startswith("generate -> attention: ") and out[1].endswith(
+        " > round > draft > draft > forward > run_layer > _layer_once > forward > forward > attend")
     assert out[2].startswith("a whole greedy generate()")
