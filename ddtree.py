@@ -294,12 +294,11 @@ class Engine:
         budgets and the chain would have accepted (budget.tally)."""
         # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [N, D, V] (D <= L).
         draft_logits = self.draft(bonus, start)
-        # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), and its mask.
+        # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash).
         tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
-        mask, recurrent = self.tree_mask(start, parents)
         # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors
         # (recurrent layers: each row continues the committed state along its own path; docs/recurrent_tree.md).
-        rows, positions, logits, features = self.verify(bonus, tokens, depths, start, mask, recurrent)
+        rows, positions, logits, features, recurrent = self.verify(bonus, tokens, parents, depths, start)
         # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
         path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u)
         # 5. Commit: the path's K/V to contiguous slots after the prefix (recurrent layers: the state at its end),
@@ -349,19 +348,18 @@ class Engine:
             return walk_lattice(draft_logits, self.max_depth, self.target.config.vocab_size)[0]
         return draft_logits.argmax(-1)
 
-    def tree_mask(self, start, parents):
-        """The verify mask (prefix + ancestors) and the tree as the recurrent layers take it."""
-        recurrent = Recurrent.tree(parents, ancestor_matrix(parents, self.max_depth, dtype=torch.uint8), self.max_depth)
-        return self.verify_mask.set(start, recurrent.anc), recurrent
-
-    def verify(self, bonus, tokens, depths, start, mask, recurrent=None):
-        """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row."""
+    def verify(self, bonus, tokens, parents, depths, start):
+        """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row, each row seeing
+        the committed prefix and its ancestors (the verify mask; the recurrent layers take the same tree as a
+        gated_delta.Recurrent, returned for the commit)."""
         rows = torch.cat([bonus[:, None], tokens], dim=1)
         positions = start[:, None] + torch.cat([depths[:, :1] * 0, depths], dim=1)
         slots = start[:, None] + torch.arange(self.tree_size + 1, device=rows.device)
-        logits, features = self.target(rows, positions, slots, mask, feature_layers=self.feature_layers,
-                                       recurrent=recurrent, argmax=self.sampling.greedy)
-        return rows, positions, logits, features
+        recurrent = Recurrent.tree(parents, ancestor_matrix(parents, self.max_depth, dtype=torch.uint8), self.max_depth)
+        logits, features = self.target(rows, positions, slots, self.verify_mask.set(start, recurrent.anc),
+                                       feature_layers=self.feature_layers, recurrent=recurrent,
+                                       argmax=self.sampling.greedy)
+        return rows, positions, logits, features, recurrent
 
     def accept(self, logits, tokens, parents, q, noise, accept_u):
         """(path [N, D + 1] of accepted rows from the root, length [N], next bonus [N], sound [N]), by the rule that

@@ -155,7 +155,7 @@ class CandidateSelector(nn.Module):
 class DFlashDrafter(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        self.config = config
+        self.config, self.block_size = config, config.block_size
         c = config.model
         if config.selector:
             self.layers = nn.ModuleList(DFlash2Block(c, config.conv_kernel_size, config.conv_group_size)
@@ -173,10 +173,6 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.target_parts = None  # (embed_tokens, lm_head) of the bound target: used, not owned (no state_dict)
         self.path: str | None = None
-
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
 
     @property
     def device(self):
@@ -202,7 +198,7 @@ class DFlashDrafter(nn.Module):
         """Write the context K/V of committed tokens: features [N, W, len(ids) * hidden] (the target's chosen-layer
         outputs), at RoPE positions and cache slots [N, W] (request n in cache row n). No attention: context rows
         are keys, never queries."""
-        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor, ctx.dtype))
         for layer in self.layers:
             attn = layer.self_attn  # the K/V rows of its stacked weight alone: context rows are never queries

@@ -314,6 +314,12 @@ class Recurrent:
     def is_tree(self) -> bool:
         return self.parents is not None
 
+    def clone(self) -> "Recurrent":
+        """A copy holding its own tensors (a CUDA graph's next replay overwrites its outputs: scripts/ keep them)."""
+        own = lambda t: None if t is None else t.clone()  # noqa: E731
+        return Recurrent(own(self.valid), own(self.parents), own(self.anc), self.depth,
+                         {i: tuple(map(own, p)) for i, p in self.pending.items()})
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where the reference upcasts: float32 for bf16 / fp16 / fp32 models, float64 for float64 ones."""

@@ -151,6 +151,12 @@ class Linear(nn.Linear):
     def split(self, y):
         return y.split(list(self.parts.values()), dim=-1)
 
+    def argmax(self, x, dtype: torch.dtype) -> tuple:
+        """(each row's argmax token, whether all its logits are finite) of the logits self(x) in `dtype`: all that a
+        greedy pick reads (tp.VocabParallelHead finds both without gathering a vocabulary split over ranks)."""
+        logits = self(x).to(dtype)
+        return logits.argmax(-1), torch.isfinite(logits).all(-1)
+
 
 # Layers compiled once (docs/compile.md, "Layers compiled once"). A model's layers run the same code on the same
 # shapes, but a whole-round graph traces, lowers and builds kernels for each of them separately. Under torch.compile
@@ -327,15 +333,6 @@ def tie_or_keep_head(model, path: str):
                   f"uses it")
 
 
-def greedy_choices(head, hidden) -> tuple:
-    """(each row's argmax token, whether all its logits are finite) of head(hidden)'s logits in the compute dtype;
-    a vocabulary split over tensor parallel ranks finds them without gathering the logits."""
-    if hasattr(head, "argmax"):
-        return head.argmax(hidden, compute_dtype(hidden.dtype))
-    logits = head(hidden).to(compute_dtype(hidden.dtype))
-    return logits.argmax(-1), torch.isfinite(logits).all(-1)
-
-
 class Qwen3(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -428,7 +425,7 @@ class Qwen3(nn.Module):
                 outputs[i] = self.norm(x) if i == last else x
         if logits_rows is not None:
             x = x.gather(1, logits_rows[..., None].expand(-1, -1, x.shape[-1]))
-        logits = greedy_choices(self.lm_head, self.norm(x)) if argmax else \
+        logits = self.lm_head.argmax(self.norm(x), compute_dtype(x.dtype)) if argmax else \
             self.lm_head(self.norm(x)).to(compute_dtype(x.dtype))
         # In the listed order, repeats included: the drafter's fc columns follow its target_layer_ids list.
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None

@@ -146,7 +146,7 @@ def method_table(target, drafter, prompts, contexts, a) -> dict:
 def split_table(target, drafter, a) -> dict:
     """benchlib.round_split per budget on the pair, a table row each."""
     splits = {}
-    cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context"]
+    cols = ["draft", "tree", "verify", "walk", "compact", "context"]
     print(f"\nround split (ms, stages eager{' but the forwards compiled' if a.compile else ''}):")
     print(round_header(cols, a.compile))
     for budget in a.budgets:

@@ -77,7 +77,7 @@ def stages(a):
     1.5x), and compiled AR, DFlash chain and DDTree per budget in tokens/s on the bundled trained pair (goal: DDTree at
     its best budget >= the chain); the round table gives the third goal (compiled overhead <= 10%).
 
-    Each round stage is the engine's own method (Engine.draft, propose, tree_mask, verify, accept; commit split into
+    Each round stage is the engine's own method (Engine.draft, propose, verify, accept; commit split into
     compact_kv and the drafter's append_context), timed with a device sync around it; with --compile the forwards
     (draft, context, verify) run compiled, as the engine runs them, and the small-op stages stay eager so each is timed
     on its own (compiled, they fuse into the round's graph and cost less). `round` is the whole compiled round
@@ -117,16 +117,16 @@ def random_pair(vocab, hidden, layers, block, draft_layers, device, path):
 
 def stage_table(target, drafter, a) -> dict:
     """benchlib.round_split per budget, a table row each."""
-    cols = ["draft", "tree", "mask", "verify", "walk", "compact", "context", "sum"] + (
+    cols = ["draft", "tree", "verify", "walk", "compact", "context", "sum"] + (
         ["round", "tree_work"] if a.compile else [])
     print(round_header(cols, a.compile))
     rounds = {}
     for budget in a.budgets:
         rounds[budget] = round_split(target, drafter, budget, a.compile, a.repeats)
         print(round_row(budget, rounds[budget], cols), flush=True)
-    print("overhead = (tree + mask + walk + compact) / sum of stages, each stage eager; compiled = (round - "
+    print("overhead = (tree + walk + compact) / sum of stages, each stage eager (verify: its mask and forward); compiled = (round - "
           "draft - context - verify) / round, the whole round compiled (draft and context: the drafter's forward"
-          " in two parts); tree_work = tree + mask + walk compiled together")
+          " in two parts); tree_work = tree + the verify's mask + walk compiled together")
     return rounds
 
 
@@ -289,7 +289,7 @@ class Floors:
         self.report(f"  verify ({budget + 1} rows)", ms["verify"], self.wt, 2 * (budget + 1) * self.wt / es,
                     self.bw["target"])
         logits = (block + budget + 1) * self.vocab * 4  # the tree reads the draft's, the walk the verify's
-        self.report("  tree + mask + walk (eager)", ms["tree"] + ms["mask"] + ms["walk"], logits, 0,
+        self.report("  tree + walk (eager)", ms["tree"] + ms["walk"], logits, 0,
                     self.bw["dram_1gib"])
         depth = block  # at most the accepted path's length of rows moves
         self.report("  compact (eager)", ms["compact"], 2 * depth * self.kv_row, 0, self.bw["dram_1gib"])

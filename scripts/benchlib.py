@@ -117,8 +117,8 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
 
     With `compile` (True or "max-autotune"), the forwards (draft, verify, context) and the whole round run
     compiled as the engine runs them (CUDA graphs on the GPU, frozen graphs under max-autotune on the CPU), so
-    round - forwards is the rest of the round in the same mode; and the tree work alone (propose + tree_mask +
-    accept, given the forwards' logits) is also timed compiled, with and (on the GPU) without CUDA graphs:
+    round - forwards is the rest of the round in the same mode; and the tree work alone (propose + the verify
+    mask + accept, given the forwards' logits) is also timed compiled, with and (on the GPU) without CUDA graphs:
     `tree_work` and `tree_work_nograph`.
     """
     dev = target.device
@@ -134,21 +134,19 @@ def round_split(target, drafter, budget, compile, repeats, prompt_len=200):
     ms["draft"], logits_q = timed(lambda: draft(bonus, start), dev, repeats)
     logits_q = logits_q.clone()  # a CUDA graph's next replay overwrites its outputs: what is used later is cloned
     ms["tree"], (tokens, parents, depths, q) = timed(lambda: engine.propose(logits_q, None), dev, repeats)
-    ms["mask"], mask = timed(lambda: engine.tree_mask(start, parents), dev, repeats)
-    ms["verify"], out = timed(lambda: verify(bonus, tokens, depths, start, parents, mask), dev, repeats)
-    rows, pos, logits, features = keep(out)
+    ms["verify"], out = timed(lambda: verify(bonus, tokens, parents, depths, start), dev, repeats)
+    rows, pos, logits, features, _ = keep(out)
     ms["walk"], (path, length, nxt, _) = timed(lambda: engine.accept(logits, tokens, parents, q, None, None), dev,
                                             repeats)
     feats = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
     positions = pos.gather(1, path)
     ms["compact"], _ = timed(lambda: compact_kv(target.kv_caches(), start, path), dev, repeats)
     ms["context"], _ = timed(lambda: context(start, feats, positions), dev, repeats)
-    frozen = compile == "max-autotune" and dev.type == "cpu"
-    ms["sum"] = sum(ms.values()) - (ms["mask"] if frozen else 0)  # the frozen verify's time holds the mask's
-    ms["overhead_pct"] = 100 * (ms["tree"] + ms["mask"] + ms["walk"] + ms["compact"]) / ms["sum"]
+    ms["sum"] = sum(ms.values())
+    ms["overhead_pct"] = 100 * (ms["tree"] + ms["walk"] + ms["compact"]) / ms["sum"]
     if compile:
         forwards = [lambda: draft(bonus, start), lambda: context(start, feats, positions),
-                    lambda: verify(bonus, tokens, depths, start, parents, mask)]
+                    lambda: verify(bonus, tokens, parents, depths, start)]
         ms.update(compiled_round_ms(engine, bonus, start, forwards, repeats))
         ms.update(tree_work_ms(engine, start, logits_q, logits, repeats))
     return ms
@@ -169,14 +167,11 @@ def split_forwards(engine, compile):
     if compile:  # engine.round is compiled already, as the engine runs it; the stages are compiled the same way
         stage = frozen_stage if frozen else lambda f: torch.compile(f, dynamic=False, fullgraph=True, mode=mode)
         draft, context = stage(engine.draft), stage(context)
-    # verify(bonus, tokens, depths, start, parents, mask). A frozen graph takes the tensors of a mask passed in
-    # for constants, and FlexAttention then fails to lower (torch 2.13): the frozen verify stage builds its mask
-    # from the parents inside, as the round does, so its time includes the mask's.
-    if frozen:
-        masked = frozen_stage(lambda b, t, d, s, p: engine.verify(b, t, d, s, *engine.tree_mask(s, p)))
-        return draft, context, lambda b, t, d, s, p, mask: masked(b, t, d, s, p)
-    forward = torch.compile(engine.verify, dynamic=False, fullgraph=True, mode=mode) if compile else engine.verify
-    return draft, context, lambda b, t, d, s, p, mask: forward(b, t, d, s, *mask)
+    # The verify builds its mask from the parents inside, as the round does, so its time includes the mask's.
+    verify = engine.verify
+    if compile:
+        verify = frozen_stage(verify) if frozen else torch.compile(verify, dynamic=False, fullgraph=True, mode=mode)
+    return draft, context, verify
 
 
 def compiled_round_ms(engine, bonus, start, forwards, repeats) -> dict:
@@ -190,11 +185,12 @@ def compiled_round_ms(engine, bonus, start, forwards, repeats) -> dict:
 
 
 def tree_work_ms(engine, start, logits_q, logits, repeats) -> dict:
-    """The tree work alone (propose + tree_mask + accept, given the forwards' logits), compiled: `tree_work`, and
-    on a GPU also without CUDA graphs, `tree_work_nograph`."""
+    """The tree work alone (propose, the verify's mask and accept, given the forwards' logits), compiled:
+    `tree_work`, and on a GPU also without CUDA graphs, `tree_work_nograph`."""
     def tree_work(logits_q, logits):
         tokens, parents, depths, q = engine.propose(logits_q, None)
-        engine.tree_mask(start, parents)
+        anc = ancestor_matrix(parents, engine.max_depth, dtype=torch.uint8)
+        engine.verify_mask.set(start, anc)
         return engine.accept(logits, tokens, parents, q, None, None)
 
     mode = "reduce-overhead" if engine.device.type == "cuda" else None

@@ -443,10 +443,8 @@ def round_stages(run, target, drafter, budget: int, ar: dict | None = None) -> d
     else:
         logits_q = measure("draft", "ar", engine.draft, bonus, start)
         tokens, parents, depths = measure("tree", "tiny", lambda lq: engine.propose(lq, None)[:3], logits_q)
-    measure("mask", "tiny", lambda s, p: engine.tree_mask(s, p)[1].anc, start, parents)
-    mask, recurrent = engine.tree_mask(start, parents)  # the verify's input, as the round hands it over
-    rows, positions, logits, features = measure("verify", "ar", engine.verify, bonus, tokens, depths, start, mask,
-                                                recurrent)
+    rows, positions, logits, features, recurrent = measure("verify", "ar", engine.verify, bonus, tokens, parents,
+                                                           depths, start)
     path, length, _, _ = measure("accept", "tiny", lambda lg, t, p: engine.accept(lg, t, p, None, None, None),
                                  logits, tokens, parents)
     measure("commit", "tiny", lambda s, p, ln, pos, f: (engine.commit(s, p, ln, pos, f, recurrent), ln)[1],

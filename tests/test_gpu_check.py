@@ -41,7 +41,7 @@ def test_named_parts_run_in_order_and_report_their_measures(tmp_path):
     assert 0 < ar["floor_ms"] and ar["bytes_gb"]["total"] > ar["bytes_gb"]["weights"] > 0
     assert ar["profile"]["per_step"] > 0 and ar["profile"]["top"]
     stages = result["parts"]["round-profile"]["result"]["64"]["stages_ms"]
-    assert list(stages) == ["draft", "tree", "mask", "verify", "accept", "commit"]
+    assert list(stages) == ["draft", "tree", "verify", "accept", "commit"]
     rule = result["parts"]["hybrid-rule"]["result"]
     assert set(rule) == {f"R{r}-{s}" for r in (65, 257, 513) for s in ("triangular", "series")}
     projection = result["parts"]["projection"]["result"]
