@@ -69,12 +69,13 @@ def order_key(score: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
     return mono * 2**32 + (2**31 - 1 - tie)
 
 
-def topk_per_depth(logq: torch.Tensor, k: int):
-    """The k best tokens of every depth in rank order (log-prob descending, token id ascending).
-    logq [..., L, V]; returns (values [..., L, k] float32, token ids [..., L, k] int64)."""
+def ranked_topk(logq: torch.Tensor, k: int):
+    """The k best entries of logq's last dim in rank order (value descending, index ascending): the top-K tokens
+    of each depth, or a lattice's candidates after each predecessor. Returns (values [..., k] float32,
+    indices [..., k] int64)."""
     logq = logq.float()
-    tok = torch.arange(logq.shape[-1], device=logq.device)
-    ids = order_key(logq, tok.expand_as(logq)).topk(k, dim=-1).indices
+    idx = torch.arange(logq.shape[-1], device=logq.device)
+    ids = order_key(logq, idx.expand_as(logq)).topk(k, dim=-1).indices
     return logq.gather(-1, ids), ids
 
 
@@ -86,7 +87,7 @@ def build_tree_heap(logq: torch.Tensor, budget: int):
         return tuple(torch.stack(t) for t in zip(*(build_tree_heap(row, budget) for row in logq)))
     L, V = logq.shape
     K = min(budget, V)
-    topv, topi = (t.tolist() for t in topk_per_depth(logq, K))
+    topv, topi = (t.tolist() for t in ranked_topk(logq, K))
     tokens, parents, depths = [0] * budget, [-1] * budget, [0] * budget
     # Heap items: (-score, depth, parent's row, rank) is the order key (the parent's row is its place in the pop
     # order, and the four are unique, so the rest is never compared), then what the pushes need: the parent's
@@ -135,7 +136,7 @@ def build_tree(logq: torch.Tensor, budget: int):
     batch, L, V = logq.shape
     K = min(budget, V)
     dev = logq.device
-    topv, topi = topk_per_depth(logq, K)
+    topv, topi = ranked_topk(logq, K)
 
     # The frontier: the previous depth's kept prefixes in key order (best first), so a child's tie-break is
     # (its parent's position in the frontier, its rank). Depth 0 is the root alone, score 0.
@@ -212,15 +213,6 @@ class Lattice:
         return Lattice(self.tokens.clone(), self.scores.clone())
 
 
-def ranked_children(logq: torch.Tensor):
-    """Each (position, predecessor)'s candidates in rank order (log-prob descending, candidate index ascending):
-    (values [..., K] float32, candidate indices [..., K] int64) for logq [..., K]."""
-    logq = logq.float()
-    idx = order_key(logq, torch.arange(logq.shape[-1], device=logq.device).expand_as(logq)).topk(
-        logq.shape[-1], dim=-1).indices
-    return logq.gather(-1, idx), idx
-
-
 def build_lattice_tree_heap(tokens: torch.Tensor, logq: torch.Tensor, budget: int):
     """Algorithm 1 over a lattice: the best-first heap of build_tree_heap, where a node's children are ranked by
     the law after its own token (its candidate index, its "state"). tokens [L, K] or [N, L, K], logq [L, K, K] or
@@ -236,7 +228,7 @@ def build_lattice_tree_heap(tokens: torch.Tensor, logq: torch.Tensor, budget: in
         return tuple(torch.stack(t) for t in zip(*(build_lattice_tree_heap(a, b, budget)
                                                      for a, b in zip(tokens, logq))))
     L, K = tokens.shape
-    topv, topc = (t.tolist() for t in ranked_children(logq))
+    topv, topc = (t.tolist() for t in ranked_topk(logq, K))
     toks = tokens.tolist()
     out_tokens, parents, depths = [0] * budget, [-1] * budget, [0] * budget
     # Heap items: the order key (-score, depth, parent's row, rank), then the parent's score and state.
@@ -273,7 +265,7 @@ def build_lattice_tree(tokens: torch.Tensor, logq: torch.Tensor, budget: int):
     assert budget >= 1 and budget * tokens.shape[-1] < 2**31  # tie-breaks must fit order_key
     batch, L, K = tokens.shape
     dev = tokens.device
-    topv, topc = ranked_children(logq)  # [N, L, K (predecessor), K (rank)]
+    topv, topc = ranked_topk(logq, K)  # [N, L, K (predecessor), K (rank)]
     score = torch.zeros(batch, 1, device=dev)
     state = torch.zeros(batch, 1, dtype=torch.int64, device=dev)  # the root's predecessor row: the anchor's
     scores, ties, toks, parent_idx, depth_of = [], [], [], [], []

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from cli import format_tree
 from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, order_key,
-                        pairs_within, topk_per_depth)
+                        pairs_within, ranked_topk)
 
 INF = math.inf
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -248,9 +248,9 @@ def test_budget_one_and_padding():
 
 @SETTINGS
 @given(logq_cases())
-def test_topk_per_depth_is_a_stable_sort(logq):
+def test_ranked_topk_is_a_stable_sort(logq):
     V = logq.shape[1]
-    values, ids = topk_per_depth(logq, V)
+    values, ids = ranked_topk(logq, V)
     assert ids.tolist() == ranked_tokens(logq)
     want = logq.sort(dim=-1, descending=True, stable=True)
     assert torch.equal(ids, want.indices) and torch.equal(values, want.values)
