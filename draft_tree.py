@@ -126,7 +126,10 @@ def build_tree(logq: torch.Tensor, budget: int):
     a tie goes to the earlier parent: see Order above), and c's k elder siblings. These are distinct nodes, so
     D + pi * (k + 2) + k <= budget. Per depth that is a hyperbola of about budget * ln(budget) candidates (about
     3k at the paper's budget of 512) instead of budget x K, and at most budget - D + 1 of them are kept. The
-    bound depends only on (pi, k), so every row of a batch shares the same candidate pairs.
+    bound depends only on (pi, k), so every row of a batch shares the same candidate pairs. They are made once,
+    for D = 1, the loosest bound: pi-major, so a frontier of F entries takes a prefix of them. A deeper depth
+    needs no tighter mask: its part of G passes the loosest bound too and has at most budget - D + 1 nodes, so it
+    is among the depth's best budget - D + 1 candidates, which are kept.
 
     Cost: one int64 topk per depth over a few thousand candidates, and a final one over the kept prefixes.
     """
@@ -143,21 +146,17 @@ def build_tree(logq: torch.Tensor, budget: int):
     score = torch.zeros(batch, 1, device=dev)
     scores, ties, toks, parent_idx, depth_of = [], [], [], [], []
     prev_offset, offset = 0, 1  # index of the first kept prefix of a depth in the concatenation (0 = the root)
-    # One candidate set for depth 1's limit serves every depth: it is pi-major, so a frontier of F entries is a
-    # prefix of it, and the pairs past a deeper depth's smaller limit are masked out of the topk.
-    all_parents, all_children = candidate_pairs(budget, K, budget - 1, dev)
+    all_parents, all_children, sizes = candidate_pairs(budget, K, budget - 1, dev)  # depth 1's bound
     for d in range(L):
         depth = d + 1
         limit = budget - depth
         if limit < 0:  # a node this deep needs more than `budget` nodes: no deeper depth can fit either
             break
-        size = pairs_within(score.shape[-1], K, budget - 1)  # the candidate pairs with pi < F
+        size = sizes[score.shape[-1]]  # the candidate pairs with pi < F
         parent, child = all_parents[:size], all_children[:size]
         cand = score[:, parent] + topv[:, d, child]
-        key = order_key(cand, parent * K + child)
-        key = torch.where(parent * (child + 2) + child <= limit, key, torch.iinfo(torch.int64).min)
-        n = min(limit + 1, pairs_within(score.shape[-1], K, limit))  # no more than the unmasked pairs
-        keep = key.topk(n, dim=-1).indices  # best first: the next frontier, in key order
+        n = min(limit + 1, size)
+        keep = order_key(cand, parent * K + child).topk(n, dim=-1).indices  # best first: the next frontier
         score = cand.gather(-1, keep)
         scores.append(score)
         # Global tie-break: depth, then the place in this depth's order = concatenation offset + kept position.
@@ -168,6 +167,22 @@ def build_tree(logq: torch.Tensor, budget: int):
         prev_offset, offset = offset, offset + n
 
     return ordered_tree(scores, ties, toks, parent_idx, depth_of, budget)
+
+
+def candidate_pairs(F: int, K: int, limit: int, device):
+    """All (pi, k) with pi < F, k < K and pi * (k + 2) + k <= limit (build_tree's bound), pi-major, as int64
+    tensors (parent, child); and sizes, F + 1 Python ints: sizes[f] of the pairs have pi < f. Host numbers, so
+    the shapes stay static under torch.compile (where this Python runs once, while tracing)."""
+    # Entry pi offers the ranks k <= (limit - 2 * pi) / (pi + 1): fewer as pi grows, none past limit / 2.
+    counts = [max(0, min(K, (limit - 2 * pi) // (pi + 1) + 1)) for pi in range(F)]
+    sizes = list(itertools.accumulate(counts, initial=0))
+    rows = sum(c > 0 for c in counts)  # the parents with a pair, which come first
+    first = torch.tensor(sizes[:rows], dtype=torch.int64, device=device)  # flat index of each parent's first pair
+    # parent = how many parents start at or before each flat index, minus one: a cumsum of start marks
+    # (repeat_interleave does the same but lowers to a binary search per entry, slower on the CPU).
+    starts = torch.zeros(sizes[-1], dtype=torch.int64, device=device).index_fill_(0, first[1:], 1)
+    parent = torch.cumsum(starts, 0)
+    return parent, torch.arange(sizes[-1], device=device) - first[parent], sizes
 
 
 def ordered_tree(scores, ties, toks, parent_idx, depth_of, budget: int):
@@ -315,34 +330,6 @@ def walk_lattice(lattice: Lattice, length: int, vocab: int, temperature: float =
             state = scores.argmax(-1, keepdim=True)
         tokens.append(lattice.tokens[:, d].gather(1, state))
     return torch.cat(tokens, 1), (torch.stack(laws, 1) if laws else None)
-
-
-def children_allowed(K: int, limit: int) -> list[int]:
-    """Per frontier position pi = 0, 1, ...: how many ranks k < K satisfy pi * (k + 2) + k <= limit (build_tree's
-    bound), while that is at least one; as cumulative sums, so pairs_within is a lookup. Under torch.compile this
-    Python runs once, while tracing."""
-    counts = [min(K, (limit - 2 * pi) // (pi + 1) + 1) for pi in range(limit // 2 + 1)] if limit >= 0 else []
-    return list(itertools.accumulate(counts, initial=0))
-
-
-def pairs_within(F: int, K: int, limit: int) -> int:
-    """How many (pi, k) have pi < F, k < K and pi * (k + 2) + k <= limit."""
-    cum = children_allowed(K, limit)
-    return cum[min(F, len(cum) - 1)]
-
-
-def candidate_pairs(F: int, K: int, limit: int, device):
-    """All (pi, k) with pi < F, k < K and pi * (k + 2) + k <= limit, pi-major: two int64 tensors whose size is
-    known on the host, so the shapes stay static under torch.compile."""
-    cum = children_allowed(K, limit)
-    rows = min(F, len(cum) - 1)
-    first = torch.tensor(cum[:rows], dtype=torch.int64, device=device)  # flat index of each parent's first child
-    # parent = how many parents start at or before each flat index, minus one: a cumsum of start marks
-    # (repeat_interleave does the same but lowers to a binary search per entry, slower on the CPU).
-    total = cum[rows]
-    starts = torch.zeros(total, dtype=torch.int64, device=device).index_fill_(0, first[1:], 1)
-    parent = torch.cumsum(starts, 0)
-    return parent, torch.arange(total, device=device) - first[parent]
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None, dtype=torch.bool) -> torch.Tensor:

@@ -14,8 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cli import format_tree
-from draft_tree import (ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, order_key,
-                        pairs_within, ranked_topk)
+from draft_tree import ancestor_matrix, build_tree, build_tree_heap, candidate_pairs, order_key, ranked_topk
 
 INF = math.inf
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -204,10 +203,10 @@ def test_batched_tree_equals_each_row_at_real_sizes():
 
 @given(st.integers(1, 40), st.integers(1, 40), st.integers(-3, 60))
 def test_candidate_pairs_are_every_pair_under_the_bound(F, K, limit):
-    parent, child = candidate_pairs(F, K, limit, "cpu")
+    parent, child, sizes = candidate_pairs(F, K, limit, "cpu")
     want = [(p, k) for p in range(F) for k in range(K) if p * (k + 2) + k <= limit]
     assert list(zip(parent.tolist(), child.tolist())) == want
-    assert pairs_within(F, K, limit) == len(want)
+    assert sizes == [sum(p < f for p, _ in want) for f in range(F + 1)]
 
 
 def test_build_tree_equals_heap_when_rounding_ties_children_of_different_parents():
