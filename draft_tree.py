@@ -125,11 +125,11 @@ def build_tree(logq: torch.Tensor, budget: int):
     the pi frontier entries before its parent, their children of rank <= k (each scores at least c's score, and
     a tie goes to the earlier parent: see Order above), and c's k elder siblings. These are distinct nodes, so
     D + pi * (k + 2) + k <= budget. Per depth that is a hyperbola of about budget * ln(budget) candidates (about
-    3k at the paper's budget of 512) instead of budget x K, and at most budget - D + 1 of them are kept. The
-    bound depends only on (pi, k), so every row of a batch shares the same candidate pairs. They are made once,
-    for D = 1, the loosest bound: pi-major, so a frontier of F entries takes a prefix of them. A deeper depth
-    needs no tighter mask: its part of G passes the loosest bound too and has at most budget - D + 1 nodes, so it
-    is among the depth's best budget - D + 1 candidates, which are kept.
+    3k at the paper's budget of 512) instead of budget x K. The bound depends only on (pi, k), so every row of a
+    batch shares the same candidate pairs. They are made once, for D = 1, the loosest bound: pi-major, so a
+    frontier of F entries takes a prefix of them. A deeper depth needs no tighter mask: its part of G passes the
+    loosest bound too and has at most budget - D + 1 nodes, so it is among the depth's best budget - D + 1
+    candidates, which are kept.
 
     Cost: one int64 topk per depth over a few thousand candidates, and a final one over the kept prefixes.
     """
