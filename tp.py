@@ -80,8 +80,9 @@ def quiet_other_ranks():
 
 
 def same_on_every_rank(values: list) -> list:
-    """Rank 0's `values` on every rank (fresh seeds: each rank must draw the same randomness)."""
-    if not (enabled() and dist.is_initialized()):
+    """Rank 0's `values` on every rank (fresh seeds: each rank must draw the same randomness). Outside torchrun no
+    process group is initialized: that one check returns them as they are."""
+    if not (dist.is_initialized() and enabled()):
         return values
     box = [values]
     dist.broadcast_object_list(box, src=0)
@@ -92,7 +93,7 @@ def slowest(seconds: float, device: torch.device) -> float:
     """The longest of the ranks' `seconds` on every rank: budget auto's timings, from which every rank must make
     the same choices (the ranks run the same collectives); one all-reduce of one number, after the round's host
     read has already waited for the round."""
-    if not (enabled() and dist.is_initialized()):
+    if not (dist.is_initialized() and enabled()):
         return seconds
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, dist.ReduceOp.MAX)
