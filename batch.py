@@ -112,15 +112,20 @@ def run(engine_for, prompts: list, seeds: list, stop: set, max_new_tokens: int, 
                 if new is None:  # its logits or draws were not sound: it ends here, and the others go on
                     end(i, row, NON_FINITE)
                     continue
-                r = results[i]
-                before = len(r.tokens)
-                done = emit(r.tokens, new, stop, max_new_tokens, on_tokens and (lambda kept: on_tokens(i, kept)))
+                r, kept = results[i], []
+                for t in new:  # the new tokens, cut after the first stop token or at the token limit
+                    kept.append(t)
+                    if t in stop or len(r.tokens) + len(kept) >= max_new_tokens:
+                        break
+                r.tokens += kept
+                if on_tokens:
+                    on_tokens(i, kept)
                 if is_round:  # not the prefill's first token
-                    r.stats["accepted"].append(len(r.tokens) - before)
+                    r.stats["accepted"].append(len(kept))
                     r.stats["path_lengths"].append(len(new))
                 if tree is not None:
                     r.trees.append(tree)
-                if done:
+                if kept[-1] in stop or len(r.tokens) >= max_new_tokens:
                     end(i, row)
 
         first_tokens = engine.start([prompts[i] for i in rows], [seeds[i] for i in rows])
@@ -156,19 +161,6 @@ def move_to_smaller(engine, engine_for, rows: list, live: set, committed: int) -
     smaller.setup_caches()
     smaller.adopt(held.padded(smaller.batch))
     return smaller, [rows[row] for row in keep], seconds
-
-
-def emit(tokens: list, new: list, stop: set, max_new_tokens: int, on_tokens) -> bool:
-    """Append a round's tokens, cut after the first stop token or at the token limit; True when generation ends."""
-    kept = []
-    for t in new:
-        kept.append(t)
-        if t in stop or len(tokens) + len(kept) >= max_new_tokens:
-            break
-    tokens += kept
-    if on_tokens:
-        on_tokens(kept)
-    return kept[-1] in stop or len(tokens) >= max_new_tokens
 
 
 def take(engine, rows: list[int], slots: int) -> Requests:
