@@ -203,17 +203,14 @@ def kind_of(value) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
 
 
-def applies(setting: str, method: str, greedy: bool) -> bool:
-    """Whether a setting can change a run of `method`: the one table behind refusing settings that do not apply."""
-    return {"budget": method == "ddtree", "draft_temperature": method == "ddtree",
-            "draft_sampling": method == "dflash" and not greedy, "draft": method != "ar",
-            "denoise_steps": method != "ar", "show_tree": method != "ar", "draft_window": method != "ar",
-            "top_k": not greedy, "top_p": not greedy, "min_p": not greedy}.get(setting, True)
-
-
 def check_applies(method: str, greedy: bool, given, spell=lambda name: name):
     """Settings given that would change nothing are refused: a silently ignored setting reads as a wrong one."""
-    unused = [spell(name) for name in given if not applies(name, method, greedy)]
+    # Whether each setting can change a run of `method`: the one table of which settings apply (any other does).
+    applies = {"budget": method == "ddtree", "draft_temperature": method == "ddtree",
+               "draft_sampling": method == "dflash" and not greedy, "draft": method != "ar",
+               "denoise_steps": method != "ar", "show_tree": method != "ar", "draft_window": method != "ar",
+               "top_k": not greedy, "top_p": not greedy, "min_p": not greedy}
+    unused = [spell(name) for name in given if not applies.get(name, True)]
     if unused:
         mode = "greedy decoding (temperature 0)" if greedy else "sampling"
         raise ValueError(f"{', '.join(unused)} does not apply to method {method!r} with {mode}")

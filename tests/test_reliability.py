@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from ddtree import generate, generate_batch
 from drafter import DFlashDrafter
 from model import Qwen3
-from settings import Speculation, applies, grouped
+from settings import Speculation, check_applies, grouped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -293,6 +293,15 @@ def test_two_threads_on_the_same_models_take_turns(pair):
 
 
 # ---- property test: generate() with generated arguments --------------------------------------------------------
+
+
+def applies(setting: str, method: str, greedy: bool) -> bool:
+    """Whether settings.check_applies lets `setting` through for this method and sampling."""
+    try:
+        check_applies(method, greedy, [setting])
+    except ValueError:
+        return False
+    return True
 
 
 def junk():
