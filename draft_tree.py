@@ -270,11 +270,10 @@ def build_lattice_tree(tokens: torch.Tensor, logq: torch.Tensor, budget: int):
     Depth by depth, the kept prefixes of the previous depth (the frontier, in key order) each offer their K
     children, ranked by the law after the prefix's last token; the best of them are kept, then the global best
     `budget` of all kept prefixes are taken. Exact for the reason build_tree is: the answer G is a down-set of the
-    order. Its candidate bound is weaker, since a child's log-law now depends on its parent's token (a child of an
-    earlier parent need not score higher): if the child of rank k of the frontier entry at position pi, at depth
-    D, is in G, so are its D - 1 ancestors, the pi frontier entries before its parent and its k elder siblings,
-    distinct nodes, so D + pi + k <= budget. With K candidates per position the candidates per depth are at most
-    budget * K."""
+    order, and a depth's part of G (at most budget - D + 1 nodes: each has its D - 1 ancestors in G) is among the
+    depth's best budget - D + 1 candidates. Every child of the frontier is a candidate: build_tree's bound does not
+    hold here, as a child's log-law depends on its parent's token (a child of an earlier parent need not score
+    higher), so a depth has at most budget * K candidates."""
     if tokens.dim() == 2:
         return tuple(t.squeeze(0) for t in build_lattice_tree(tokens.unsqueeze(0), logq.unsqueeze(0), budget))
     assert budget >= 1 and budget * tokens.shape[-1] < 2**31  # tie-breaks must fit order_key
@@ -293,12 +292,10 @@ def build_lattice_tree(tokens: torch.Tensor, logq: torch.Tensor, budget: int):
         F = score.shape[-1]
         pairs = torch.arange(F * K, device=dev)  # pi-major pairs (pi, k)
         parent, child = pairs // K, pairs % K
-        allowed = sum(max(0, min(K, limit - pi + 1)) for pi in range(F))  # pairs with pi + k <= limit
         ranked = lambda t: t[:, d].gather(1, state[..., None].expand(-1, -1, K)).reshape(batch, F * K)
         cand = score[:, parent] + ranked(topv)
         key = order_key(cand, parent * K + child)
-        key = torch.where(parent + child <= limit, key, torch.iinfo(torch.int64).min)
-        n = min(limit + 1, allowed)
+        n = min(limit + 1, F * K)
         keep = key.topk(n, dim=-1).indices  # best first: the next frontier, in key order
         score = cand.gather(-1, keep)
         state = ranked(topc).gather(-1, keep)
