@@ -46,7 +46,7 @@ from gated_delta import Recurrent
 from model import Qwen3
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
 from settings import Speculation, check_models, check_request, check_settings, verify_rows
-from tree_attn import PrefixMask, causal, compact_kv, round_up
+from tree_attn import PrefixMask, compact_kv, round_up
 
 # Eager FlexAttention (eager engines on CUDA; on the CPU, cpu.EAGER_CPU_ATTENTION = "flex") warns that it materializes
 # the scores: it does, by design of the eager path; --compile is the fused kernel.
@@ -206,9 +206,8 @@ class Engine:
         self.build_tree = build_tree if compile else build_tree_heap
         # The masks: FlexAttention BlockMasks, whose tensors each step rewrites in place.
         target.setup_cache(max_seq_len, batch)
-        self.prefill_mask = block_mask(prefill_chunk(self.device.type), max_seq_len, self.device, batch,
-                                       causal_rows=True)
-        self.decode_mask = block_mask(1, max_seq_len, self.device, batch)
+        self.prefill_mask = PrefixMask(prefill_chunk(self.device.type), max_seq_len, self.device, batch, causal=True)
+        self.decode_mask = PrefixMask(1, max_seq_len, self.device, batch)
         self.feature_layers = ()
         if drafter is not None:
             drafter.setup_cache(max_seq_len, batch)
@@ -221,7 +220,7 @@ class Engine:
             # The block sees itself bidirectionally, or causally, or within a sliding window, as each drafter
             # layer says (docs/checkpoints.md): one mask per kind; with draft_window W, of the committed context
             # only its last W tokens (every kind: a sliding layer's window intersects it).
-            self.draft_masks = {kind: block_mask(drafter.block_size, max_seq_len, self.device, batch, *kind,
+            self.draft_masks = {kind: PrefixMask(drafter.block_size, max_seq_len, self.device, batch, *kind,
                                                  context=spec.draft_window)
                                 for kind in drafter.config.mask_kinds}
             self.verify_mask = PrefixMask(self.tree_size + 1, max_seq_len, self.device, batch)
@@ -410,7 +409,7 @@ class Engine:
         if not self.prefill_compiled:  # no graph to keep fixed: only the rows the longest prompt needs
             chunk = min(chunk, max(map(len, prompts)))
         if self.prefill_mask.q_len != chunk:
-            self.prefill_mask = block_mask(chunk, self.max_seq_len, self.device, self.batch, causal_rows=True)
+            self.prefill_mask = PrefixMask(chunk, self.max_seq_len, self.device, self.batch, causal=True)
         # [chunks, N, chunk]: each chunk's rows with strides of their own (a compiled step guards on strides, and
         # a slice of [N, chunks x chunk] rows has the longest prompt's, even for N = 1)
         chunks = torch.zeros(round_up(max(map(len, prompts)), chunk) // chunk, self.batch, chunk, dtype=torch.long)
@@ -582,15 +581,6 @@ def models_in_use(*models):
         for mark in reversed(held):
             mark.owner = None
             mark.lock.release()
-
-
-def block_mask(q_len: int, max_seq_len: int, device, batch: int, window: int | None = None,
-               causal_rows: bool = False, context: int | None = None) -> PrefixMask:
-    """A mask of q_len new rows over the context (its last `context` tokens), the rows seeing each other all (the
-    drafter's block, a decode step) or causally (a prefill chunk, a causal drafter layer); within `window`."""
-    mask = PrefixMask(q_len, max_seq_len, device, batch, window, context)
-    mask.allow.copy_(causal(q_len) if causal_rows else torch.ones(q_len, q_len, dtype=torch.bool))
-    return mask
 
 
 def prefill_chunk(device_type: str) -> int:

@@ -237,7 +237,7 @@ class DFlashDrafter(nn.Module):
         rows' final norm and lm_head are skipped; a tree of B nodes is at most B deep, so ddtree needs only
         min(B, block_size - 1) of them.
 
-        `masks`, one per config.mask_kinds (ddtree.block_mask), must let request n's block see slots
+        `masks`, one per config.mask_kinds (tree_attn.PrefixMask.set), must let request n's block see slots
         [0, start[n] + block_size) as its layers attend. With denoise_steps T > 1, each pass unmasks the most
         confident still-masked positions (their argmax) and the next pass conditions on them; each position keeps
         the logits of the pass that decided it (the last pass for those still masked), so the draft is the same

@@ -73,11 +73,13 @@ def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, all
 class PrefixMask:
     """The mask for `q_len` rows written at slots [prefix, prefix + q_len) of a `kv_len`-slot cache, for `batch`
     requests at once: request n has its own prefix[n] and allow[n] (one cache row each). `set` returns the
-    BlockMask the attention layers take. With a `window` (a sliding-window layer), a row sees only the slots within
-    window - 1 of its own; with a `context`, only the last `context` slots before the prefix (and its own rows)."""
+    BlockMask the attention layers take. The rows see each other all (a decode step, the drafter's block, a tree
+    until `set` gives its allow) or, `causal`, each only the rows up to itself (a prefill chunk, a causal drafter
+    layer). With a `window` (a sliding-window layer), a row sees only the slots within window - 1 of its own; with a
+    `context`, only the last `context` slots before the prefix (and its own rows)."""
 
     def __init__(self, q_len: int, kv_len: int, device, batch: int = 1, window: int | None = None,
-                 context: int | None = None):
+                 causal: bool = False, context: int | None = None):
         assert kv_len % BLOCK == 0, "cache length must be a multiple of the FlexAttention block"
         self.q_len, self.kv_len, self.window, self.context = q_len, kv_len, window, context
         n_q, n_kv = -(-q_len // BLOCK), kv_len // BLOCK
@@ -85,7 +87,9 @@ class PrefixMask:
         self.prefix = torch.zeros(batch, dtype=torch.int64, device=device)
         # Bytes, not bool, nonzero = allowed, written with pointwise ops only (docs/compile.md, "Allow matrix as
         # bytes", "Writing the allow matrix").
-        self.allow = torch.zeros(batch, q_len, q_len, dtype=torch.uint8, device=device)
+        self.allow = torch.ones(batch, q_len, q_len, dtype=torch.uint8, device=device)
+        if causal:
+            self.allow.tril_()
         # The blocks wholly below the prefix are "full": every row sees all their slots, so the kernel skips the
         # mask_mod there (full_idx lists them from block 0 on; full_num says how many). The mask_mod decides
         # only in the blocks from prefix // BLOCK on, which kv_indices lists; kv_num_blocks says how many. The

@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 
 import cpu
 from conftest import float64_kept
-from ddtree import block_mask, generate
+from ddtree import generate
 from drafter import DFlashDrafter
 from model import Qwen3
+from tree_attn import PrefixMask
 
 transformers = pytest.importorskip("transformers")
 reference = pytest.importorskip("dflash.model", reason="z-lab's dflash package: pip install --no-deps dflash==0.1.0")
@@ -121,7 +122,7 @@ def block_outputs(ref, ours, target, context_len=9, seed=2):
         positions = torch.arange(context_len)[None]
         ours.append_context(features, positions, positions)
         cpu.use_cpu_classes(ours)  # as an eager CPU engine attends
-        masks = {kind: block_mask(BLOCK, 128, "cpu", 1, *kind).set(start)  # as the engine makes them
+        masks = {kind: PrefixMask(BLOCK, 128, "cpu", 1, *kind).set(start)  # as the engine makes them
                  for kind in ours.config.mask_kinds}
         pos = torch.arange(start, start + BLOCK)[None]
         mine = ours(block, pos, pos, masks, rows=slice(1, None))

@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from conftest import assert_one_error_line, cli, pair_config, random_prompts
-from ddtree import Engine, block_mask, generate
+from ddtree import Engine, generate
 from drafter import DFlashDrafter
 from model import Qwen3
 from sampler import Sampling
@@ -104,7 +104,7 @@ def compact_drafts(drafter, bonus, prompt_len: int, window: int, length: int):
         cache[:, :, :window] = kept
     bs = drafter.block_size
     cpu.use_cpu_classes(drafter)  # as an eager CPU engine attends
-    masks = {kind: block_mask(bs, SLOTS, "cpu", 1, *kind).set(window) for kind in drafter.config.mask_kinds}
+    masks = {kind: PrefixMask(bs, SLOTS, "cpu", 1, *kind).set(window) for kind in drafter.config.mask_kinds}
     tokens = torch.cat([bonus[:, None], torch.full((1, bs - 1), drafter.config.mask_token_id)], 1)
     positions, slots = prompt_len + torch.arange(bs)[None], window + torch.arange(bs)[None]
     return drafter.logits(drafter(tokens, positions, slots, masks, rows=slice(1, None)))[:, :length]

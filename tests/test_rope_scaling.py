@@ -21,7 +21,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbed
 
 import cpu
 from conftest import float64_kept, written_once
-from ddtree import block_mask, generate
+from ddtree import generate
 from drafter import DFlashDrafter
 from model import Qwen3, Qwen3Config
 from rope import rope_frequencies, rope_inv_freq
@@ -241,7 +241,7 @@ def test_drafter_block_with_yarn_equals_the_reference(tmp_path):
         ours.setup_cache(128)
         ours.append_context(features, FAR + torch.arange(context)[None], torch.arange(context)[None])
         cpu.use_cpu_classes(ours)  # as an eager CPU engine attends
-        masks = {kind: block_mask(block, 128, "cpu", 1, *kind).set(context) for kind in ours.config.mask_kinds}
+        masks = {kind: PrefixMask(block, 128, "cpu", 1, *kind).set(context) for kind in ours.config.mask_kinds}
         mine = ours(torch.zeros(1, block, dtype=torch.long), FAR + context + torch.arange(block)[None],
                     context + torch.arange(block)[None], masks)
     torch.testing.assert_close(mine, theirs, rtol=0, atol=TOL)
