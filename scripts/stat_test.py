@@ -66,7 +66,7 @@ from ddtree import finite_rows, generate, generate_batch  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling, sample, warp_probs  # noqa: E402
-from tree_attn import PrefixMask, causal  # noqa: E402
+from tree_attn import PrefixMask  # noqa: E402
 from cli import in_flags, one_line_errors  # noqa: E402
 from settings import Speculation, check_int, check_settings, grouped  # noqa: E402
 
@@ -179,8 +179,7 @@ def last_logits(target: Qwen3, contexts: list[list[int]], batch: int = 64) -> to
         target.reset_recurrent()  # a hybrid target's recurrent states start empty (a no-op for Qwen3)
         if target.device.type == "cpu":
             cpu.use_cpu_classes(target)  # its layers attend as an engine's on the CPU
-        mask = PrefixMask(n, length, target.device, batch=part.shape[0])
-        mask.allow.copy_(causal(n))
+        mask = PrefixMask(n, length, target.device, batch=part.shape[0], causal=True)
         pos = torch.arange(n, device=target.device).expand_as(part)
         last = torch.full((part.shape[0], 1), n - 1, device=target.device)
         with torch.inference_mode():
