@@ -713,8 +713,7 @@ def hybrid(a):
     conv kernel 4) and layer 3 is gated full attention (4 heads of 64, 2 KV heads, a quarter of each head roped). Only
     the target's verify forward is measured (no drafter): one forward of R = B + 1 rows of a random tree after
     --prompt-len committed slots, as Engine.verify runs it (benchlib.tree_verify: the recurrent layers in tree mode,
-    gated_delta.Recurrent.tree, whose k, u and G the commit would read are returned), its mask built beforehand (the
-    round's `mask` stage).
+    gated_delta.Recurrent.tree, whose k, u and G the commit would read are returned), its mask built inside it.
 
     - time: medians over --repeats, the two models called in turn (benchlib.interleaved), eager; with --compile also
       compiled (torch.compile fullgraph, no max-autotune, as benchlib.verify_ms compiles it);

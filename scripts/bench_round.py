@@ -124,9 +124,9 @@ def stage_table(target, drafter, a) -> dict:
     for budget in a.budgets:
         rounds[budget] = round_split(target, drafter, budget, a.compile, a.repeats)
         print(round_row(budget, rounds[budget], cols), flush=True)
-    print("overhead = (tree + walk + compact) / sum of stages, each stage eager (verify: its mask and forward); compiled = (round - "
-          "draft - context - verify) / round, the whole round compiled (draft and context: the drafter's forward"
-          " in two parts); tree_work = tree + the verify's mask + walk compiled together")
+    print("overhead = (tree + walk + compact) / sum of stages, each stage eager (verify: its mask and forward); "
+          "compiled = (round - draft - context - verify) / round, the whole round compiled (draft and context: the "
+          "drafter's forward in two parts); tree_work = tree + the verify's mask + walk compiled together")
     return rounds
 
 
@@ -200,7 +200,7 @@ def roofline(a):
       cache, 2 x rows x weights FLOPs (compiled as --compile; left out with --max-autotune, whose verify the round split
       below times);
     - per budget, the round's stages as the engine runs them (benchlib.round_split): draft (the drafter's block pass and
-      the lm_head at block_size rows), tree + mask + walk (its floor: reading the draft and verify logits), compaction
+      the lm_head at block_size rows), tree + walk (its floor: reading the draft and verify logits), compaction
       (moving the accepted rows' K/V), context (the drafter's K/V of the committed tokens);
     - few-row linears alone, at the pair's weight shapes: F.linear (what aten runs: MKL's sgemm for fp32), oneDNN with
       the weight prepacked (torch.ops.mkldnn), and the one-row multiply-reduce the engine compiles

@@ -176,7 +176,8 @@ def split_forwards(engine, compile):
 
 def compiled_round_ms(engine, bonus, start, forwards, repeats) -> dict:
     """The whole compiled round beside its forwards (draft, context, verify): what it costs beyond them is the
-    real tree overhead. They are timed interleaved (round, draft, context, verify, round, ...) so that a noisy
+    real tree overhead (the verify's mask, built inside the verify as the round builds it, counts as
+    the verify's). They are timed interleaved (round, draft, context, verify, round, ...) so that a noisy
     machine shifts all of them alike; the round runs as Engine.step runs it (every guard at its first call, then
     only those that tell graphs apart)."""
     whole, *fwd = interleaved([stepped_round(engine, bonus, start, None, None, None)] + forwards, engine.device,
@@ -236,9 +237,9 @@ def random_tree(budget: int, g: torch.Generator):
 
 def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 256, seed: int = 0,
                 feature_layers=()):
-    """A zero-argument callable running one verify forward of budget + 1 rows (a batch of one request) as
-    Engine.verify runs it: a random tree after `prompt_len` committed slots, RoPE positions prompt_len + depth,
-    cache slots prompt_len + row, the ancestor mask (built here, once), the outputs of `feature_layers` (a
+    """A zero-argument callable running one verify of budget + 1 rows (a batch of one request) as Engine.verify
+    runs it: a random tree after `prompt_len` committed slots, its ancestor mask built and written into the verify
+    mask, RoPE positions prompt_len + depth, cache slots prompt_len + row, the outputs of `feature_layers` (a
     drafter's context features, as the round asks for them), and the recurrent layers in tree mode (their pending
     k, u and G, which the commit reads, are returned with the logits, so nothing is left out).
     The caches hold zeros (the values do not change the work). compile: torch.compile fullgraph (CUDA graphs on a
@@ -247,27 +248,26 @@ def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 25
     kv = -(-(prompt_len + n) // 1024) * 1024
     target.setup_cache(kv)
     parents, depths = random_tree(budget, torch.Generator().manual_seed(seed))
-    anc = ancestor_matrix(parents[None].to(dev), int(depths.max()), dtype=torch.uint8)  # [1, R, R]
     if dev.type == "cpu":  # the layers as every CPU engine runs them, eager (SDPA) or compiled, whatever ran before
         use_cpu_classes(target)
     mask = PrefixMask(n, kv, dev)
-    block_mask = mask.set(torch.tensor([prompt_len], device=dev), anc)
+    start = torch.tensor([prompt_len], device=dev)
     tokens = torch.randint(0, target.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed)).to(dev)
     positions = (prompt_len + depths)[None].to(dev)
     slots = (prompt_len + torch.arange(n))[None].to(dev)
     parents = parents[None].to(dev)
     depth = int(depths.max())  # the bound the engine would pass (its draft positions), here the tree's own
 
-    def forward(tokens, positions, slots, block_mask, parents, anc):
-        tree = Recurrent.tree(parents, anc, depth)
-        logits, features = target(tokens, positions, slots, block_mask, feature_layers=feature_layers,
+    def forward(tokens, positions, slots, start, parents):
+        tree = Recurrent.tree(parents, ancestor_matrix(parents, depth, dtype=torch.uint8), depth)
+        logits, features = target(tokens, positions, slots, mask.set(start, tree.anc), feature_layers=feature_layers,
                                   recurrent=tree)
         return (logits, features, *(t for i in sorted(tree.pending) for t in tree.pending[i][1:]))
 
     if compile:
         forward = torch.compile(forward, dynamic=False, fullgraph=True,
                                 mode="reduce-overhead" if dev.type == "cuda" else None)
-    return lambda: forward(tokens, positions, slots, block_mask, parents, anc)
+    return lambda: forward(tokens, positions, slots, start, parents)
 
 
 def round_header(cols, compiled: bool, width: int = 8) -> str:
@@ -524,8 +524,8 @@ def pipelined_ms(fn, device, n: int) -> float:
 
 
 def keep(out):
-    """Clones of a compiled call's tensors (and of what has a clone, as a Lattice): a CUDA graph's next replay
-    overwrites its outputs."""
+    """Clones of a compiled call's tensors (and of what has a clone, as a Lattice or a Recurrent): a CUDA graph's
+    next replay overwrites its outputs."""
     if isinstance(out, tuple):
         return tuple(keep(t) for t in out)
     return out.clone() if hasattr(out, "clone") else out

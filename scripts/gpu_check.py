@@ -501,7 +501,7 @@ def verify_curve(run, out):
 def projection_graphs(run) -> dict:
     """What projection compiles: what the parts before it in this call left unmeasured."""
     rounds = run.results.get("rounds") or {}
-    graphs = dict(ar=0 if "ar" in run.results else 1, tiny=0 if rounds else 4, round=0 if rounds else 1)
+    graphs = dict(ar=0 if "ar" in run.results else 1, tiny=0 if rounds else 3, round=0 if rounds else 1)
     verifies = {CHAIN_BUDGET} | {b for b in PAPER["budgets"] if b not in rounds}
     graphs["ar"] += (0 if rounds else 2) + len(verifies - set(run.results.get("verify", {})))
     return graphs
@@ -739,14 +739,14 @@ PARTS = {
     "pair-smoke": (pair_smoke, lambda r: dict(tiny=2 * r.graphs_per_engine()), (15, 20)),
     "ar-profile": (ar_profile, lambda r: dict(ar=1), (25, 10)),
     "round-profile": (round_profile, lambda r: {k: n * len(r.a.round_budgets) for k, n in
-                                                dict(ar=2, tiny=4, round=1).items()}, (20, 10)),
+                                                dict(ar=2, tiny=3, round=1).items()}, (20, 10)),
     "verify-curve": (verify_curve, lambda r: dict(ar=len(set(r.a.verify_budgets) - set(r.results.get("verify", {})))),
                      (10, 5)),
     "projection": (projection, projection_graphs, (10, 5)),
     "hybrid-rule": (hybrid_rule, lambda r: {}, (30, 10)),
     "hybrid-slice": (hybrid_slice, lambda r: dict(ar=3), (30, 10)),
     "dflash2-profile": (dflash2_profile, lambda r: {k: n * len(r.a.round_budgets) for k, n in
-                                                    dict(ar=2, tiny=4, round=1).items()}, (30, 10)),
+                                                    dict(ar=2, tiny=3, round=1).items()}, (30, 10)),
     "prefill": (prefill, lambda r: dict(ar=2 if r.cuda else 0), (40, 20)),
     "flex": (flex, lambda r: dict(tiny=len(SMALL_FLEX_CASES if r.a.small else FLEX_CASES)), (20, 20)),
 }

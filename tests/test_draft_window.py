@@ -58,7 +58,6 @@ def test_compiled_context_mask_visits_every_visible_block():
     context's first slot may lie in the block below the prefix's."""
     q_len, context = 5, 4
     mask = PrefixMask(q_len, KV_LEN, "cpu", context=context)
-    mask.allow.fill_(True)
     attend = torch.compile(lambda q, k, v, prefix: flex_attention(q, k, v, block_mask=mask.set(prefix),
                                                                   enable_gqa=True), dynamic=False, fullgraph=True)
     slot = torch.arange(KV_LEN)[None, :]

@@ -175,7 +175,6 @@ def test_drafter_training_forward_equals_draft(pair):
     drafter.setup_cache(CACHE)
     cpu.use_cpu_classes(drafter)
     draft_mask = PrefixMask(bs, CACHE, "cpu")
-    draft_mask.allow.fill_(True)
     for b in range(2):
         for j, a in enumerate(anchors[b].tolist()):
             _, ctx = inference_forward(target, tokens[b, :a], feature_layers=ids)  # the inference path throughout

@@ -247,7 +247,6 @@ def test_compiled_sliding_window_attention_matches_sdpa_without_recompiles():
     from torch._dynamo.utils import counters
     q_len, window = 8, 150
     mask = PrefixMask(q_len, KV_LEN, "cpu", window=window)
-    mask.allow.fill_(True)
     attend = torch.compile(lambda q, k, v, prefix: flex_attention(q, k, v, block_mask=mask.set(prefix),
                                                                   enable_gqa=True), dynamic=False, fullgraph=True)
     with torch.inference_mode():
