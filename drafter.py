@@ -198,12 +198,10 @@ class DFlashDrafter(nn.Module):
         """Write the context K/V of committed tokens: features [N, W, len(ids) * hidden] (the target's chosen-layer
         outputs), at RoPE positions and cache slots [N, W] (request n in cache row n). No attention: context rows
         are keys, never queries."""
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
         cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor, ctx.dtype))
         for layer in self.layers:
-            attn = layer.self_attn  # the K/V rows of its stacked weight alone: context rows are never queries
-            k, v = F.linear(ctx, attn.qkv_proj.weight[attn.q_rows:]).chunk(2, dim=-1)
-            attn.store_kv(k, v, cos, sin, cache_pos)
+            layer.self_attn.store_kv(*layer.self_attn.kv_proj(ctx), cos, sin, cache_pos)
 
     def forward(self, block_tokens, positions, cache_pos, masks: dict, rows: slice = slice(None)):
         """One denoising pass over blocks [N, block_size] -> the final normed hidden states [N, block_size, H] of

@@ -232,6 +232,11 @@ class Attention(nn.Module):
         self.k_cache[batch, :, cache_pos] = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
         self.v_cache[batch, :, cache_pos] = v.view(n, q_len, self.kv_heads, self.head_dim)
 
+    def kv_proj(self, x):
+        """(k, v) projections of rows x alone: the K/V rows of the stacked weight (a drafter's context rows are keys
+        and values, never queries)."""
+        return F.linear(x, self.qkv_proj.weight[self.q_rows:]).chunk(2, dim=-1)
+
     def forward(self, x, cos, sin, cache_pos, mask):
         n, q_len = x.shape[:2]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))

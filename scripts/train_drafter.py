@@ -150,7 +150,7 @@ def training_forward(drafter: DFlashDrafter, embed, lm_head, features, block_tok
         q = apply_rope(a.q_norm(q.reshape(B, Q, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
         k_blk = apply_rope(a.k_norm(k_blk.reshape(B, Q, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
         v_blk = v_blk.reshape(B, Q, a.kv_heads, a.head_dim).transpose(1, 2)
-        k_ctx, v_ctx = F.linear(ctx, a.qkv_proj.weight[a.q_rows:]).chunk(2, dim=-1)  # context rows: K/V alone
+        k_ctx, v_ctx = a.kv_proj(ctx)  # context rows: K/V alone
         k_ctx = apply_rope(a.k_norm(k_ctx.reshape(B, C, a.kv_heads, a.head_dim)).transpose(1, 2), ctx_cos, ctx_sin)
         v_ctx = v_ctx.reshape(B, C, a.kv_heads, a.head_dim).transpose(1, 2)
         k, v = torch.cat([k_ctx, k_blk.to(k_ctx.dtype)], dim=2), torch.cat([v_ctx, v_blk.to(v_ctx.dtype)], dim=2)
