@@ -19,7 +19,8 @@ import cpu
 def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
     """The engine's (round, prefill step) as this device runs them, the inductor options its compiling calls set
     (guards), and the seconds spent building the CPU attention kernel (0 on a GPU, or once built). With compile
-    False they stay eager (on the CPU through cpu/'s layer classes, which every CPU engine runs).
+    False they stay eager. On the CPU the models take cpu/'s layer classes here, eager or compiled (cpu.compile_round).
+The prefill step is compiled where prefill_compiled says.
 
     One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the query length
     fails to build on the CPU (docs/compile.md). Engines compile the same methods, so they share one cache per
@@ -29,14 +30,16 @@ def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
         # Room for a few engines (settings, budgets) before dynamo falls back to eager.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         writable_inductor_cache()
-    if target.device.type == "cpu":  # the prefill stays eager on the CPU (prefill_compiled)
+    mode = "reduce-overhead" if compile is True else compile  # on a GPU: CUDA graphs ("max-autotune" includes them)
+    if target.device.type == "cpu":
         round_fn, options, build_seconds = cpu.compile_round(round_fn, target, drafter, compile)
-        return round_fn, prefill_step, options, build_seconds
-    if not compile:
-        return round_fn, prefill_step, {}, 0.0
-    mode = "reduce-overhead" if compile is True else compile  # CUDA graphs ("max-autotune" includes them)
-    return (torch.compile(round_fn, dynamic=False, fullgraph=True, mode=mode),
-            torch.compile(prefill_step, dynamic=False, fullgraph=True, mode=mode), {}, 0.0)
+    else:
+        options, build_seconds = {}, 0.0
+        if compile:
+            round_fn = torch.compile(round_fn, dynamic=False, fullgraph=True, mode=mode)
+    if prefill_compiled(compile, target.device.type):
+        prefill_step = torch.compile(prefill_step, dynamic=False, fullgraph=True, mode=mode)
+    return round_fn, prefill_step, options, build_seconds
 
 
 def prefill_compiled(compile: bool | str, device_type: str) -> bool:
