@@ -112,11 +112,8 @@ def run(engine_for, prompts: list, seeds: list, stop: set, max_new_tokens: int, 
                 if new is None:  # its logits or draws were not sound: it ends here, and the others go on
                     end(i, row, NON_FINITE)
                     continue
-                r, kept = results[i], []
-                for t in new:  # the new tokens, cut after the first stop token or at the token limit
-                    kept.append(t)
-                    if t in stop or len(r.tokens) + len(kept) >= max_new_tokens:
-                        break
+                r = results[i]
+                kept = emitted(new, stop, max_new_tokens - len(r.tokens))
                 r.tokens += kept
                 if on_tokens:
                     on_tokens(i, kept)
@@ -161,6 +158,12 @@ def move_to_smaller(engine, engine_for, rows: list, live: set, committed: int) -
     smaller.setup_caches()
     smaller.adopt(held.padded(smaller.batch))
     return smaller, [rows[row] for row in keep], seconds
+
+
+def emitted(new: list, stop: set, room: int) -> list:
+    """A round's new tokens as far as they are emitted: through the first stop token, at most `room` of them."""
+    kept = new[:room]
+    return next((kept[:k + 1] for k, t in enumerate(kept) if t in stop), kept)
 
 
 def take(engine, rows: list[int], slots: int) -> Requests:
