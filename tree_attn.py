@@ -139,10 +139,6 @@ class PrefixMask:
         return self.block_mask
 
 
-def causal(n: int, device=None) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
-
-
 def compact_kv(caches, prefix, rows: torch.Tensor):
     """Move the K/V of each request's accepted rows (slots prefix[n] + rows[n]) to contiguous slots prefix[n] + 0,
     1, ... of its cache row. prefix [N], rows [N, R] (or 0-d and [R] for one request).

@@ -289,3 +289,8 @@ def float64_kept():
         yield
     finally:
         torch.Tensor.float, torch.Tensor.to = float_, to
+
+
+def causal(n: int, device=None) -> torch.Tensor:
+    """The lower-triangular allow matrix of n rows (a prefill chunk's), for tests that write a mask's rows out."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()

@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 
 import cpu
 import draft_tree
-from conftest import WeightReads, float64_kept, written_once
+from conftest import WeightReads, causal, float64_kept, written_once
 from test_model import copy_checkpoint, raises, rewrite_config, rewrite_weights
 from gated_delta import Recurrent
 import model as model_mod
 from model import Qwen3
-from tree_attn import PrefixMask, causal, compact_kv
+from tree_attn import PrefixMask, compact_kv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save_file
 import cpu
 import loading
 import model as model_mod
-from conftest import WeightReads, written_once
+from conftest import WeightReads, causal, written_once
 from model import Qwen3
 from scripts.checkpoints import layer_weights, qwen3_config, save_checkpoint
-from tree_attn import PrefixMask, causal
+from tree_attn import PrefixMask
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 300

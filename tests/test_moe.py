@@ -13,12 +13,12 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import cpu
-from conftest import compiled_equals_eager
+from conftest import causal, compiled_equals_eager
 from ddtree import generate
 from drafter import DFlashDrafter
 from model import Qwen3
 from moe import SparseMoE
-from tree_attn import PrefixMask, causal
+from tree_attn import PrefixMask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

@@ -20,13 +20,13 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedd
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
 import cpu
-from conftest import float64_kept, written_once
+from conftest import causal, float64_kept, written_once
 from ddtree import generate
 from drafter import DFlashDrafter
 from model import Qwen3, Qwen3Config
 from rope import rope_frequencies, rope_inv_freq
 from scripts.checkpoints import hybrid_text_config, random_hybrid_model, save_hybrid
-from tree_attn import PrefixMask, causal
+from tree_attn import PrefixMask
 
 FAR = 40_000  # the first position of every sequence below
 THETA = 10000.0

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import cpu
-from conftest import pair_config, write_drafter, write_target
+from conftest import causal, pair_config, write_drafter, write_target
 from ddtree import generate
 from drafter import DFlashDrafter
 from model import Qwen3
-from tree_attn import PrefixMask, causal
+from tree_attn import PrefixMask
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import train_drafter  # noqa: E402

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
+from conftest import causal
 from cpu import dense_mask
 from draft_tree import ancestor_matrix, build_tree
-from tree_attn import BLOCK, PrefixMask, causal, compact_kv, flex_kernel_options
+from tree_attn import BLOCK, PrefixMask, compact_kv, flex_kernel_options
 
 KV_LEN = 256
 
