@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from benchlib import (ROOT, batched_run, best_of, cpu_name, held_out_code, in_fresh_process, interleaved,
                       interleaved_runs, long_windows, reset_peak, round_header, round_row, round_split,
-                      save_random_pair, status_mb, sync, tree_verify, verify_ms, write_json)
+                      save_random_pair, status_mb, tree_verify, verify_ms, write_json)
 import ddtree
 import gated_delta
 from budget import auto_budgets, cache_file, device_name
@@ -1118,18 +1118,6 @@ def busiest_reads(router: SparseMoE, x, a, itemsize: int) -> dict:
     return dict(split=int(touched.sum()) * per / n, expert_parallel=int(own.max()) * per)
 
 
-def slowest_rank_ms(forward, x, device, iters: int) -> float:
-    """The slowest rank's median milliseconds of `forward` (after 3 untimed calls)."""
-    times = []
-    for i in range(3 + iters):
-        sync(device)
-        t0 = time.perf_counter()
-        forward(x)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * tp.slowest(statistics.median(times[3:]), device)
-
-
 def moe_parallel_check(a) -> float:
     """The largest difference, over a few row counts, between each scheme and the whole layer on one rank, at small
     sizes in float64 (--check)."""
@@ -1156,7 +1144,9 @@ def moe_parallel_measure(a):
     for count in a.rows:
         x = moe_rows(a, count, dtype, device)
         reads = busiest_reads(router, x, a, x.element_size())
-        ms = {name: slowest_rank_ms(forward, x, device, a.iters) for name, forward in forwards.items()}
+        # each scheme's median, the two in turn (a slow spell lands on both), then the slowest rank's
+        ms = {name: tp.slowest(t, device) for name, t in
+              zip(forwards, interleaved([lambda f=f: f(x) for f in forwards.values()], device, a.iters))}
         print(f"{count:5d} {count * a.top_k:6d} {reads['split'] / 1e6:9.1f} {reads['expert_parallel'] / 1e6:9.1f} "
               f"{ms['split']:9.3f} {ms['expert_parallel']:9.3f}")
 
