@@ -341,16 +341,16 @@ def _walk_tree_own_row(parents, tokens, target, max_depth):
     return as_tensor(paths), as_tensor(lengths), as_tensor(nexts)
 
 
+_ENGINE_PICK = ddtree.Engine.pick
+
+
 def _pick_unwarped(self, logits, noise):
     """Engine.pick with the bug: a round's rows (more than one per request) are sampled without top-k / top-p /
     min-p."""
-    if self.sampling.greedy:
-        tokens, finite = logits
-        return tokens, finite.flatten(1).all(1)
-    ok = finite_rows(logits)
-    if logits.shape[1] > 1:
-        return sample((logits.float() / self.sampling.temperature).softmax(-1), noise), ok  # BUG: not warped
-    return sample(warp_probs(logits, self.sampling), noise), ok
+    if self.sampling.greedy or logits.shape[1] == 1:
+        return _ENGINE_PICK(self, logits, noise)
+    unwarped = (logits.float() / self.sampling.temperature).softmax(-1)  # BUG: not warped
+    return sample(unwarped, noise), finite_rows(logits)
 
 
 def _draw_noise_shared(shape, generator, device):
