@@ -587,21 +587,24 @@ def callgraph(a):
     apart), each once, but for cpu/, the CPU seam a reader of the round skips: the layers attend as a GPU round's
     do, through Attention.attend (eager FlexAttention here, cpu.EAGER_CPU_ATTENTION).
     """
+    heap, attention = ddtree.build_tree_heap, cpu.EAGER_CPU_ATTENTION  # put back once profiled
     if not a.eager_tree:
         ddtree.build_tree_heap = ddtree.build_tree  # what the engine picks when eager: the compiled round's builder
     cpu.EAGER_CPU_ATTENTION = "flex"
-    target = Qwen3.from_pretrained(DEFAULT_TARGET, device="cpu")
-    drafter = DFlashDrafter.from_pretrained(DEFAULT_DRAFT, device="cpu")
-    with torch.inference_mode():
-        seen, deepest = profile_round(target, drafter, a.budget)
+    try:
+        target = Qwen3.from_pretrained(DEFAULT_TARGET, device="cpu")
+        drafter = DFlashDrafter.from_pretrained(DEFAULT_DRAFT, device="cpu")
+        with torch.inference_mode():
+            seen, deepest = profile_round(target, drafter, a.budget)
+            whole = profile_generate(target, drafter, a.budget, a.new_tokens)
+    finally:
+        ddtree.build_tree_heap, cpu.EAGER_CPU_ATTENTION = heap, attention
     named = {k: v for k, v in seen.items() if "<" not in k[1]}
     files = collections.Counter(f for f, _ in named)
     print(f"one round (B = {a.budget}): {len(named)} named functions ({sum(named.values())} lines) in {len(files)} "
           f"files: {', '.join(f'{f} {n}' for f, n in files.most_common())}")
     start = deepest.index("generate") if "generate" in deepest else 0
     print(f"generate -> attention: {len(deepest) - start} frames: {' > '.join(deepest[start:])}")
-    with torch.inference_mode():
-        whole = profile_generate(target, drafter, a.budget, a.new_tokens)
     whole_named = {k: v for k, v in whole.items() if "<" not in k[1]}
     print(f"a whole greedy generate() ({a.new_tokens} tokens, B = {a.budget}) on a warm engine: {len(whole_named)} "
           f"named functions ({len(whole)} with lambdas and comprehensions) in {len({f for f, _ in whole_named})} files")
