@@ -17,7 +17,6 @@ import statistics
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -1059,10 +1058,11 @@ def expert_weights(e: int, hidden: int, inter: int, device) -> torch.Tensor:
     return torch.randn(3, inter, hidden, generator=g, device=device) * hidden ** -0.5
 
 
-def moe_layer(experts: range, inter: slice, a, dtype, device) -> SparseMoE:
-    """The experts `experts` of the layer, each cut to its `inter` slice, and the whole router (replicated)."""
+def moe_layer(experts: range, inter: slice, a, dtype, device, top_k: int | None = None) -> SparseMoE:
+    """The experts `experts` of the layer, each cut to its `inter` slice, and the whole router (replicated); routing
+    top_k (default a.top_k) experts per row."""
     with torch.device("meta"):
-        moe = SparseMoE(a.hidden, inter.stop - inter.start, a.experts, a.top_k, norm_topk_prob=True)
+        moe = SparseMoE(a.hidden, inter.stop - inter.start, a.experts, top_k or a.top_k, norm_topk_prob=True)
     # (each slice copied: a view would keep its whole expert alive until the stack)
     parts = torch.stack([expert_weights(e, a.hidden, a.inter, device)[:, inter].clone() for e in experts], 1).to(dtype)
     moe.experts.gate_proj, moe.experts.up_proj = nn.Parameter(parts[0]), nn.Parameter(parts[1])
@@ -1079,13 +1079,13 @@ def split_forward(moe: SparseMoE, x):
 
 
 def expert_parallel_forward(moe: SparseMoE, router: SparseMoE, first: int, x):
-    """This rank's pairs (those of experts first.. first + len) through its whole experts, summed over the ranks."""
+    """This rank's pairs (those of experts first.. first + len) through its whole experts (`moe` routes one expert
+    per row: each pair is a row), summed over the ranks."""
     ids, weights = router.route(x)
     local = ids - first
     rows, k = ((local >= 0) & (local < moe.experts.gate_proj.shape[0])).nonzero(as_tuple=True)
-    pairs = SimpleNamespace(experts=moe.experts, top_k=1)  # each pair a row of one expert
     path = expert_path(x.device.type, x.dtype, device_capability(x.device), len(rows), len(moe.experts.gate_proj))
-    done = getattr(SparseMoE, path)(pairs, x[rows], local[rows, k][:, None], weights[rows, k][:, None])
+    done = getattr(moe, path)(x[rows], local[rows, k][:, None], weights[rows, k][:, None])
     out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     out = out.index_add_(0, rows, done.to(out.dtype)).to(x.dtype)
     dist.all_reduce(out)
@@ -1098,7 +1098,7 @@ def moe_schemes(a, dtype, device) -> tuple:
     n, r = tp.world_size(), tp.rank()
     share, experts = a.inter // n, a.experts // n
     split = moe_layer(range(a.experts), slice(r * share, (r + 1) * share), a, dtype, device)
-    own = moe_layer(range(r * experts, (r + 1) * experts), slice(0, a.inter), a, dtype, device)
+    own = moe_layer(range(r * experts, (r + 1) * experts), slice(0, a.inter), a, dtype, device, top_k=1)
     return dict(split=lambda x: split_forward(split, x),
                 expert_parallel=lambda x: expert_parallel_forward(own, split, r * experts, x)), split
 
