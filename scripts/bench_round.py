@@ -536,7 +536,6 @@ def kind(call: str) -> str:
 def decode_step_calls(config: Qwen3Config) -> collections.Counter:
     """The kernel calls of one compiled decode step (one row, context 100) of a random model of this config."""
     from torch._inductor.utils import run_and_get_code
-    model.COMPILE_LAYERS_ONCE = False  # every layer's calls in the one graph
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = Qwen3(config).eval()
@@ -559,7 +558,7 @@ def decode_step_calls(config: Qwen3Config) -> collections.Counter:
     def step(token, pos):
         return m(token, pos, pos, mask, recurrent=Recurrent.chain(torch.ones(1, dtype=torch.long)))[0]
 
-    with torch.inference_mode():
+    with torch.inference_mode(), cpu.layers_inlined():  # every layer's calls in the one graph
         _, code = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=False), token, pos)
     return collections.Counter(kind(c) for c in CALL.findall("\n".join(code)))
 
