@@ -18,7 +18,7 @@ import cpu
 
 def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
     """The engine's (round, prefill step) as this device runs them, the inductor options its compiling calls set
-    (guards), and the seconds spent building the CPU attention kernel (0 on a GPU, or once built). With compile
+    (guards), and the seconds spent preparing them (on the CPU, building its attention kernel; 0 on a GPU). With compile
     False they stay eager. On the CPU the models take cpu/'s layer classes here, eager or compiled (cpu.compile_round).
 The prefill step is compiled where prefill_compiled says.
 
@@ -32,14 +32,14 @@ The prefill step is compiled where prefill_compiled says.
         writable_inductor_cache()
     mode = "reduce-overhead" if compile is True else compile  # on a GPU: CUDA graphs ("max-autotune" includes them)
     if target.device.type == "cpu":
-        round_fn, options, build_seconds = cpu.compile_round(round_fn, target, drafter, compile)
+        round_fn, options, prepare_seconds = cpu.compile_round(round_fn, target, drafter, compile)
     else:
-        options, build_seconds = {}, 0.0
+        options, prepare_seconds = {}, 0.0
         if compile:
             round_fn = torch.compile(round_fn, dynamic=False, fullgraph=True, mode=mode)
     if prefill_compiled(compile, target.device.type):
         prefill_step = torch.compile(prefill_step, dynamic=False, fullgraph=True, mode=mode)
-    return round_fn, prefill_step, options, build_seconds
+    return round_fn, prefill_step, options, prepare_seconds
 
 
 def prefill_compiled(compile: bool | str, device_type: str) -> bool:

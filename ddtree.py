@@ -228,8 +228,8 @@ class Engine:
             self.round = self.decode  # plain decoding's round
         self.warm = not compile
         # The round and prefill step as this device runs them, compiled or eager, under the methods' names on this
-        # engine; with the round's inductor options and the seconds the CPU attention kernel took to build.
-        self.round, self.prefill_step, self.compile_options, self.build_seconds = compiling.compile_steps(
+        # engine; with the round's inductor options and the seconds spent preparing them (counted as compiling).
+        self.round, self.prefill_step, self.compile_options, self.prepare_seconds = compiling.compile_steps(
             self.round, self.prefill_step, target, drafter, compile)
         self.prefill_compiled = compiling.prefill_compiled(compile, self.device.type)
 
@@ -504,7 +504,7 @@ class Engine:
     def warm_up(self) -> float:
         """Compile a new compiled engine's steps by running each once on a one-token dummy request; returns the
         seconds it took (0 when there is nothing to compile), so that a run's tokens/s counts generation alone;
-        building the CPU attention kernel, when this engine did, counts too. The dummy's K/V lie in slots that the
+        compile_steps' preparation, when this engine made one, counts too. The dummy's K/V lie in slots that the
         real prefill overwrites or that no mask lets a row see. Under CUDA graphs each step runs until its graph is
         recorded (graph_warmup_calls), so that no user's round pays a capture."""
         if self.warm:
@@ -514,7 +514,7 @@ class Engine:
             self.start([[0]], seeds=[0])
             self.step()
         self.warm = True
-        return time.perf_counter() - t0 + self.build_seconds
+        return time.perf_counter() - t0 + self.prepare_seconds
 
 
 _ENGINES: dict = {}
