@@ -7,7 +7,8 @@ and attention layers their CPU classes (CpuLinear, CpuAttention) and, for a comp
   CPU runs a vmapped math fallback, far slower (docs/compile.md, "Eager CPU attention uses SDPA").
 - The attention kernel (cpu/attention.cpp): a round's few query rows under a PrefixMask, several times faster than
   FlexAttention's CPU template at these sizes (docs/compile.md, "CPU attention kernel").
-- Frozen max-autotune graphs with oneDNN copies of the weights (docs/compile.md, "Few-row matmuls on CPU").
+- Frozen max-autotune graphs with oneDNN copies of the weights (docs/compile.md, "Few-row matmuls on CPU"), and
+  the drafter's K/V rows as a weight of their own (docs/compile.md, "Weight views in frozen graphs").
 - One-row matmuls of compiled graphs as a fused multiply-and-sum (docs/compile.md, "one-row Linear on CPU").
 - Inductor's ISA probe started early (docs/compile.md, "ISA probe").
 """
@@ -66,6 +67,8 @@ def prepare(target, drafter, frozen: bool) -> float:
     if frozen:
         for model in models:
             prepack_linears(model)
+        if drafter is not None:  # the drafter's context rows are projected to K/V alone (Attention.kv_proj)
+            copy_kv_rows(drafter)
     return seconds
 
 
@@ -96,20 +99,37 @@ class CpuLinear(Linear):
     packed_from = None  # (data_ptr, version) of the weight it was packed from
 
     def forward(self, x):
-        if torch.compiler.is_compiling():
-            rows = x.shape[:-1].numel()
-            if CPU_ONE_ROW_REDUCTION and rows == 1:
-                return (x[..., None, :] * self.weight).sum(-1)
-            # freezing first: graphs without it never read (so never guard on) the packed copy
-            if torch._inductor.config.freezing and self.packed is not None:
-                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), self.packed, None, "none", [], "")
-                return out.view(*x.shape[:-1], -1)
-        return F.linear(x, self.weight)
+        return cpu_linear(x, self.weight, self.packed)
+
+
+def cpu_linear(x, weight, packed):
+    """x times `weight` (and, in frozen graphs, its oneDNN copy `packed`, or None) as CpuLinear computes it."""
+    if torch.compiler.is_compiling():
+        rows = x.shape[:-1].numel()
+        if CPU_ONE_ROW_REDUCTION and rows == 1:
+            return (x[..., None, :] * weight).sum(-1)
+        # freezing first: graphs without it never read (so never guard on) the packed copy
+        if torch._inductor.config.freezing and packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, None, "none", [], "")
+            return out.view(*x.shape[:-1], -1)
+    return F.linear(x, weight)
 
 
 class CpuAttention(Attention):
     """model.Attention on the CPU: in compiled graphs the CPU kernel wherever it applies (cpu_kernel_applies), eager
-    as EAGER_CPU_ATTENTION says; FlexAttention elsewhere."""
+    as EAGER_CPU_ATTENTION says; FlexAttention elsewhere. In frozen graphs a drafter's context K/V come from a copy
+    of the stacked weight's K/V rows (copy_kv_rows)."""
+    kv_weight = None  # qkv_proj's K/V rows as a tensor of their own (copy_kv_rows); an attribute, not state
+    kv_packed = None  # kv_weight in oneDNN's layout, where prepack_dtypes() allows
+    kv_from = None  # (data_ptr, version) of the qkv_proj weight they were copied from
+
+    def kv_proj(self, x):
+        # A frozen graph must not multiply by the K/V rows as a view into qkv_proj's weight: inductor's C++ GEMM
+        # template reads a frozen weight view from its storage's first row, the Q rows (docs/compile.md, "Weight
+        # views in frozen graphs").
+        if torch.compiler.is_compiling() and torch._inductor.config.freezing and self.kv_weight is not None:
+            return cpu_linear(x, self.kv_weight, self.kv_packed).chunk(2, dim=-1)
+        return super().kv_proj(x)
 
     def attend(self, q, mask, scale):
         how = "kernel" if torch.compiler.is_compiling() else EAGER_CPU_ATTENTION
@@ -220,9 +240,27 @@ def prepack_linears(module: nn.Module):
         w = m.weight if isinstance(m, CpuLinear) else None
         if w is None or w.device.type != "cpu" or w.dtype not in prepack_dtypes():
             continue
-        source = (w.data_ptr(), None if w.is_inference() else w._version)  # inference tensors keep no version
-        if m.packed is None or m.packed_from != source:
-            m.packed, m.packed_from = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), source
+        if m.packed is None or m.packed_from != weight_source(w):
+            m.packed, m.packed_from = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), weight_source(w)
+
+
+def copy_kv_rows(module: nn.Module):
+    """Give every CpuAttention of `module` (on the CPU) the K/V rows of its qkv_proj weight as a tensor of their own,
+    with its oneDNN copy where prepack_dtypes() allows, unless it has them from the same, unchanged weight: frozen
+    graphs multiply by these instead of a view into the stacked weight (CpuAttention.kv_proj)."""
+    for m in module.modules():
+        w = m.qkv_proj.weight if isinstance(m, CpuAttention) else None
+        if w is None or w.device.type != "cpu" or m.kv_from == weight_source(w):
+            continue
+        rows = w.detach()[m.q_rows:].clone()
+        packed = torch.ops.mkldnn._reorder_linear_weight(rows, None) if w.dtype in prepack_dtypes() else None
+        m.kv_weight, m.kv_packed, m.kv_from = rows, packed, weight_source(w)
+
+
+def weight_source(w: torch.Tensor) -> tuple:
+    """(data_ptr, version) of a weight: a copy made from it is current while these are unchanged (inference tensors
+    keep no version)."""
+    return w.data_ptr(), None if w.is_inference() else w._version
 
 
 KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.cpp")

@@ -1,7 +1,7 @@
 """The CPU seam (cpu/). The attention kernel (cpu/attention.cpp) against SDPA with the mask written out by
 hand: shapes, per-request prefixes and trees, rows that see little or nothing, NaNs; inside a compiled graph
 without recompiles; as the attention CpuAttention runs; and the fallback to FlexAttention where it cannot be built.
-CpuLinear's one-row reduction and its oneDNN copies in frozen graphs."""
+CpuLinear's one-row reduction and its oneDNN copies in frozen graphs; CpuAttention's copy of the K/V rows there."""
 
 import os
 import subprocess
@@ -235,3 +235,33 @@ def test_prepacked_linear_runs_onednn_in_frozen_graphs_and_follows_its_weight():
         lin = cpu.CpuLinear(8, 4)
         cpu.prepack_linears(lin)
     assert lin.packed is not None
+
+
+def test_frozen_context_kv_equal_eager_through_either_matmul():
+    """A drafter's context rows are projected by the K/V rows of the stacked qkv weight alone (Attention.kv_proj).
+    Inductor's C++ GEMM template (forced here; autotuning picks it at a few rows) reads a frozen weight that is a
+    view into another from that one's first row, the Q rows, so frozen graphs multiply by a copy of the K/V rows
+    (cpu.copy_kv_rows): through its oneDNN copy or through the template on the copy, the K/V equal eager's. The
+    copy follows an in-place change of the weight."""
+    torch.manual_seed(0)
+    attn = cpu.CpuAttention(64, 4, 2, 16, 1e-6)
+    cpu.copy_kv_rows(attn)
+    x = torch.randn(1, 5, 64)
+    eager = attn.kv_proj(x)
+    assert attn.kv_packed is not None  # float32: packed on every CPU
+    for packed in (attn.kv_packed, None):  # None: as a bf16 weight on a CPU where oneDNN packs no bf16
+        attn.kv_packed = packed
+        compiled = torch.compile(lambda t: attn.kv_proj(t), dynamic=False, fullgraph=True)
+        with torch.no_grad(), torch._inductor.config.patch(freezing=True, max_autotune=True,
+                                                           max_autotune_gemm_backends="CPP"):
+            out = compiled(x)
+        for o, e in zip(out, eager):
+            torch.testing.assert_close(o, e, atol=1e-5, rtol=1e-5)
+        torch._dynamo.reset()
+    copy = attn.kv_weight
+    cpu.copy_kv_rows(attn)
+    assert attn.kv_weight is copy
+    with torch.no_grad():
+        attn.qkv_proj.weight.mul_(2)
+    cpu.copy_kv_rows(attn)
+    assert torch.equal(attn.kv_weight, attn.qkv_proj.weight[attn.q_rows:].detach())
