@@ -30,6 +30,8 @@ functional ones, which torch.compile traces into the round's graph.
 """
 
 import atexit
+import datetime
+import gc
 import os
 import re
 import sys
@@ -58,25 +60,49 @@ def enabled() -> bool:
     return world_size() > 1
 
 
+# How long a collective waits for the other ranks before it fails (DDTREE_TP_TIMEOUT_S, seconds): a rank that
+# fails or hangs ends the others' wait after this, not after the backend's 10 minutes. It covers the ranks'
+# difference in compile time, since every rank compiles its own graphs before their first collective runs.
+TIMEOUT_S = float(os.environ.get("DDTREE_TP_TIMEOUT_S", "300"))
+
+
 def setup(device: torch.device) -> torch.device:
-    """Join the process group once (gloo on the CPU, nccl on CUDA) and give this rank its device: on CUDA the GPU of
-    its local rank, whatever index was asked for. A no-op outside torchrun."""
+    """Join the process group once (gloo on the CPU, nccl on CUDA, bound to this rank's GPU at once through
+    device_id) and give this rank its device: on CUDA the GPU of its local rank, whatever index was asked for. A
+    no-op outside torchrun."""
     if not enabled():
         return device
     if device.type == "cuda":
         torch.cuda.set_device(local_rank())
         device = torch.device("cuda", local_rank())
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        atexit.register(dist.destroy_process_group)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S),
+                                device_id=device if device.type == "cuda" else None)
+        atexit.register(leave)
     return device
 
 
+def leave():
+    """At exit: the compiled graphs go first (CUDA graphs that captured collectives hold the group's
+    communicators), then the process group."""
+    ddtree = sys.modules.get("ddtree")  # the engines' cache, where the process made any
+    if ddtree is not None:
+        ddtree._ENGINES.clear()
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def quiet_other_ranks():
-    """Every rank but rank 0 prints nothing (the command line's text, summary, warnings and error lines): all ranks
-    compute the same tokens, and one copy is the output."""
+    """Every rank but rank 0 prints nothing on stdout (the command line's text and summary): all ranks compute the
+    same tokens, and one copy is the output. Each keeps its stderr, so that a rank's own warning or error line
+    (one rank failing alone, say) is seen."""
     if rank() != 0:
-        sys.stdout = sys.stderr = open(os.devnull, "w")
+        sys.stdout = open(os.devnull, "w")
 
 
 def same_on_every_rank(values: list) -> list:

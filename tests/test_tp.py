@@ -232,9 +232,10 @@ def test_command_line_under_torchrun(runs):
     assert_one_error_line(misshapen["code"], misshapen["stderr"],
                           "misshapen/target/model.safetensors: tensor 'layers.0.self_attn.q_proj.weight' has shape "
                           "(80, 64), config.json implies 64")
-    for other in seen[1]["cli"]:
-        assert other["stdout"] == other["stderr"] == ""
-    assert [other["code"] for other in seen[1]["cli"]] == [0, 2, 2]
+    # rank 1 prints no output; its stderr is its own: the same error line where it fails as rank 0 does
+    assert [(other["stdout"], other["code"]) for other in seen[1]["cli"]] == [("", 0), ("", 2), ("", 2)]
+    assert seen[1]["cli"][0]["stderr"] == ""
+    assert [other["stderr"] for other in seen[1]["cli"][1:]] == [bad["stderr"], misshapen["stderr"]]
 
 
 def test_budget_auto_makes_the_same_choices_on_every_rank(runs):
@@ -247,3 +248,36 @@ def test_budget_auto_makes_the_same_choices_on_every_rank(runs):
     assert [json.loads(key)["ranks"] for key in json.load(open(auto[0]["cost_file"]))] == [RANKS]
     assert auto[0] == auto[1]
     assert auto[0]["tokens"] == one_rank(dict(spec["auto"], budget=8))  # one rank's plain greedy ddtree
+
+
+NEVER_JOINS = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+import tp
+tp.setup(torch.device("cpu"))
+if tp.rank() == 1:
+    time.sleep(float(sys.argv[3]))  # a rank that hangs: it never joins the collective
+    sys.exit(0)
+t = time.time()
+try:
+    dist.all_reduce(torch.ones(1))
+    outcome = "returned"
+except Exception as e:
+    outcome = type(e).__name__
+json.dump(dict(outcome=outcome, waited=time.time() - t), open(sys.argv[2], "w"))
+sys.exit(1)  # torchrun then stops the other rank
+"""
+
+
+def test_a_rank_that_never_joins_ends_the_others_wait_after_the_timeout(tmp_path):
+    """tp.setup's process group waits DDTREE_TP_TIMEOUT_S for a collective (here 3 s), not the backend's default,
+    however long the other rank hangs (here 12 s)."""
+    script = tmp_path / "never_joins.py"
+    script.write_text(NEVER_JOINS)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DDTREE_TP_TIMEOUT_S="3")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
+                    str(script), REPO_ROOT, str(tmp_path / "out.json"), "12"], env=env, capture_output=True,
+                   timeout=RANKS_TIMEOUT)
+    seen = json.load(open(tmp_path / "out.json"))
+    assert seen["outcome"] == "RuntimeError" and 2.5 < seen["waited"] < 8, seen
