@@ -236,14 +236,15 @@ def random_tree(budget: int, g: torch.Generator):
 
 
 def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 256, seed: int = 0,
-                feature_layers=()):
+                feature_layers=(), argmax: bool = False):
     """A zero-argument callable running one verify of budget + 1 rows (a batch of one request) as Engine.verify
     runs it: a random tree after `prompt_len` committed slots, its ancestor mask built and written into the verify
     mask, RoPE positions prompt_len + depth, cache slots prompt_len + row, the outputs of `feature_layers` (a
     drafter's context features, as the round asks for them), and the recurrent layers in tree mode (their pending
     k, u and G, which the commit reads, are returned with the logits, so nothing is left out).
     The caches hold zeros (the values do not change the work). compile: torch.compile fullgraph (CUDA graphs on a
-    GPU, as the engine compiles its round)."""
+    GPU, as the engine compiles its round). argmax: the target's argmax pair in place of float32 logits, the form a
+    greedy round's verify hands its accept."""
     dev, n = target.device, budget + 1
     kv = -(-(prompt_len + n) // 1024) * 1024
     target.setup_cache(kv)
@@ -261,7 +262,7 @@ def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 25
     def forward(tokens, positions, slots, start, parents):
         tree = Recurrent.tree(parents, ancestor_matrix(parents, depth, dtype=torch.uint8), depth)
         logits, features = target(tokens, positions, slots, mask.set(start, tree.anc), feature_layers=feature_layers,
-                                  recurrent=tree)
+                                  recurrent=tree, argmax=argmax)
         return (logits, features, *(t for i in sorted(tree.pending) for t in tree.pending[i][1:]))
 
     if compile:
@@ -329,6 +330,54 @@ def compare(path: str, prompt: list, new: int, repeats: int):
     print(f"compile + first run: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     rows.append(("ours compiled",) + best_of(run_ours(True), repeats))
     return rows
+
+
+def transformers_twin(target: Qwen3):
+    """transformers' Qwen3ForCausalLM on `target`'s own weights (a plain Qwen3: no hybrid, no MoE), sharing their
+    memory: built on the meta device, then given views of the target's tensors under the checkpoint's names
+    (loading.checkpoint_tensors: a stacked projection's rows are the projection), so an 8B pair needs no second
+    copy. Its rotary table is made on the target's device, as from_pretrained makes it."""
+    import transformers
+    from loading import checkpoint_tensors
+    c, device = target.config, target.embed_tokens.weight.device
+    config = transformers.Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, attention_bias=False,
+        use_sliding_window=False, dtype=target.embed_tokens.weight.dtype)
+    with torch.device("meta"):
+        hf = transformers.Qwen3ForCausalLM(config)
+    state = {(name if name == "lm_head.weight" else "model." + name): t
+             for name, t in checkpoint_tensors(target).items()}
+    if c.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf.load_state_dict(state, strict=True, assign=True)
+    with torch.device(device):  # its constructor makes the table (its signature differs between releases)
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config).to(device)
+    return hf.eval()
+
+
+def transformers_step_ms(hf, prompt: list, new: int, repeats: int) -> dict:
+    """transformers' greedy `generate` (eager, its default attention) after `prompt`: the milliseconds per decoded
+    token, from the best of `repeats` runs of 1 + new tokens less the best of runs of 1 (the prefill and the first
+    token), so that the prefill is left out as it is for our AR step."""
+    device = hf.lm_head.weight.device
+    ids = torch.tensor([prompt], device=device)
+
+    def run(n):
+        def call():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+            sync(device)
+            return out
+        call()  # warm-up: the first call sets up kernels and the generation config
+        return best_of(call, repeats)[0]
+
+    first, whole = run(1), run(1 + new)
+    return dict(step_ms=(whole - first) * 1e3 / new, first_token_s=first, new_tokens=new, prompt_tokens=len(prompt),
+                attention=hf.config._attn_implementation)
 
 
 def print_rows(rows, new):

@@ -1,39 +1,48 @@
-"""One call on a lent GPU: is today's engine right there, and how fast is it against its floor?
+"""Calls on a lent GPU: how fast is today's engine against its floor, and is it right there?
 
-    python scripts/gpu_check.py --json benchmarks/DATE-h100-gpu_check.json 2>&1 | tee benchmarks/DATE-h100-gpu_check.log
+The device tool brings back only the files a command writes under $OUT and the tail of its output; pipefail keeps
+gpu_check's exit status through tee (docs/benchmarks.md, "gpu_check"):
+
+    set -o pipefail; PYTHONUNBUFFERED=1 python scripts/gpu_check.py --json $OUT/gpu_check.json 2>&1 |
+        tee $OUT/gpu_check.log                                                  # the first call, timeout_s 510
+    set -o pipefail; PYTHONUNBUFFERED=1 python scripts/gpu_check.py --second-call --json $OUT/gpu_check-2.json 2>&1 |
+        tee $OUT/gpu_check-2.log                                                # the second call, timeout_s 280
+    python scripts/gpu_check.py --plan [--second-call]                   # the call's parts priced; runs nothing
     python scripts/gpu_check.py --parts flex hybrid-slice --json out.json    # the named parts, in the order given
     python scripts/gpu_check.py --device cpu --small --json /tmp/x.json      # every part, small shapes: a smoke run
 
 Parts (docs/benchmarks.md, "gpu_check", says what each measures):
+  ar-profile     the Qwen3-8B-shaped AR step: pipelined and per call, its floor (with and without the embedding
+                 table), the profiler's kernel table
+  round-profile  a B = 64 round on 8B shapes, random drafter: each stage compiled alone, the round, the host read
+  projection     the paper's acceptance (Qwen3-8B, MATH-500, T = 0) x AR step / round, over our AR and over
+                 transformers' eager generate on the same weights: speedup, tokens/s
+  pair-smoke     the bundled pair, compiled: ddtree B 16 and a batch that shrinks, token-equal to eager ar
   hybrid-tiny    a tiny float32 hybrid and drafter, compiled: ar, dflash, ddtree B 16 / 64 and B 64 with the
                  'series' tree solve, each token-equal to eager ar, over a prompt of two prefill chunks
-  pair-smoke     the bundled pair, compiled: ddtree B 16 and a batch that shrinks, token-equal to eager ar
-  ar-profile     the Qwen3-8B-shaped AR step: pipelined and per call, its floor, the profiler's kernel table
-  round-profile  a B = 64 round on 8B shapes, random drafter: each stage compiled alone, the round, the host read
-  verify-curve   the 8B target's verify forward at --verify-budgets
-  projection     the paper's acceptance (Qwen3-8B, MATH-500, T = 0) x our AR step / our round: speedup, tokens/s
   hybrid-rule    the 27B-shaped tree rule alone, R = 65 / 257 / 513, both solves, eager and in a CUDA graph
+  verify-curve   the 8B target's verify forward at --verify-budgets
   hybrid-slice   4 layers of Qwen3.5-27B: AR step against its floor, verify at B 64 / 512, extra peak memory
   dflash2-profile  a DDTree round over a DFlash 2 drafter of Qwen3.8-27B-DFlash2's shapes on the 27B slice: stages
   prefill        prompts of 8K and 32K tokens through the compiled prefill on the 8B target and the 27B slice
   flex           compiled FlexAttention under the engine's masks against SDPA at G = 4, 6 (head 256) and 8
 
-Without --parts a device run takes what matters first: hybrid-tiny and pair-smoke (whether the engine is right on
-the device at all), ar-profile and round-profile (the speed of a step and of a round), projection right after its
-inputs (it then compiles the chain's verify and the B = 512 verify alone), hybrid-rule (no compile: it decides how
-the recurrent layers can be captured); then, only if they fit before the deadline, verify-curve, hybrid-slice and
-dflash2-profile, prefill and flex (the first two parts already check the engine's FlexAttention calls by their
-tokens). These five are not
-requested, so their being skipped is no failure. With --small every part runs and is requested.
+Without --parts a device call answers the speed question: ar-profile, round-profile, projection (the first call);
+then, only if they fit before the deadline, verify-curve, hybrid-slice, dflash2-profile, prefill and flex (not
+requested, so their being skipped is no failure). --second-call runs the correctness smokes (pair-smoke,
+hybrid-tiny: whether the engine is right on the device) and hybrid-rule (no compile: how the recurrent layers can
+be captured). With --small every part runs and is requested.
 
 Before a part starts it is priced from the seconds per compiled graph measured so far in this call, per kind of
 graph: a model forward ("ar": an AR step, a verify, a draft), a whole round ("round"), a graph of the tiny models
-or of a round's small stages ("tiny"); until a kind is measured a conservative default stands in. A part priced to
-end past --deadline is skipped. Each part runs under its own alarm (--part-seconds, never past the deadline).
-Each part records status (ok, error + traceback, timeout, skipped + why), seconds, peak device memory,
-recompiles, graphs CUDA graphs refused and compile seconds; the JSON (versions, device, driver, clocks) is
-rewritten after every part, so a run cut short keeps what it measured. Exit status: 0 when every requested part
-is ok, 1 when one errs, times out or is skipped, 2 for bad arguments.
+or of a round's small stages ("tiny"); until a kind is measured a default from the lent GPUs' runs of record
+stands in. A part priced to end past --deadline is skipped. Each part runs under its own alarm (--part-seconds,
+never past the deadline). Each part records status (ok, error + traceback, timeout, skipped + why), seconds, peak
+device memory, recompiles, graphs CUDA graphs refused and compile seconds; the JSON (versions, device, driver,
+clocks) is rewritten after every part, so a run cut short keeps what it measured. The output ends with one line,
+`summary: {...}`: every part's status and the figures that matter, rounded (a few thousand characters). Exit
+status: 0 when every requested part is ok (--plan: when every requested part fits), 1 when one errs, times out or
+is skipped, 2 for bad arguments.
 """
 
 import time
@@ -43,6 +52,7 @@ T0 = time.time()  # the deadline counts from the call's start, imports included
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
@@ -56,7 +66,8 @@ from torch._dynamo.utils import counters  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 from benchlib import (build_drafter, build_target, copy_bandwidth, cpu_name, keep, kernel_table,  # noqa: E402
-                      per_call_ms, pipelined_ms, random_tokens, stepped_round, sync, tree_verify, write_json)
+                      per_call_ms, pipelined_ms, random_tokens, stepped_round, sync, transformers_step_ms,
+                      transformers_twin, tree_verify, write_json)
 import compiling  # noqa: E402
 import ddtree  # noqa: E402
 import gated_delta  # noqa: E402
@@ -110,7 +121,6 @@ SMALL_DFLASH2 = dict(DFLASH2_27B, layers=2, attention=((64, False),) * 2, select
 DFLASH2_ASSUMED = ["num_hidden_layers", "intermediate_size"]
 PREFILL_LENGTHS = (8192, 32768)  # --small: (1024, 2048)
 CONTEXT = 512  # committed tokens before every timed step, round and verify
-CHAIN_BUDGET = 15  # the 8B drafter's chain (block 16) verifies 16 rows, as a tree of 15 nodes does
 
 # DDTree paper (Ringel & Romano), Table 1: Qwen3-8B on MATH-500 at temperature 0, mean acceptance length tau (the
 # bonus token included) and speedup over autoregressive decoding, for DDTree at its best budget (B = 512, Fig. 4)
@@ -124,21 +134,81 @@ class PartTimeout(BaseException):
     """A part's alarm: a BaseException, so that code catching Exception lets it through."""
 
 
-# Seconds per compiled graph until a kind is measured in this call: on a GPU, above the H200 runs of record (an 8B
-# AR step 30-35 s, a tiny pair's round 20 s, a whole 8B round ~100 s); on a CPU, --small's shapes.
-DEFAULT_PER_GRAPH = {"cuda": dict(ar=40.0, round=110.0, tiny=20.0), "cpu": dict(ar=15.0, round=40.0, tiny=20.0)}
+# Seconds per compiled graph until a kind is measured in this call. On a GPU, from the H200 runs of record (torch
+# 2.11, cold inductor cache, 16 cores as on the H100): an 8B-shaped forward ("ar": the AR step's first compiled
+# calls took 28.6, 30.1, 30.3 and 35.3 s), a whole 8B round ("round": generate() at B = 64 took 132 s for its round,
+# its prefill chunk and the run), a tiny model's or a round stage's graph ("tiny": the bundled pair's engines, two
+# graphs each and an eager reference run, took 18-27 s). On a CPU, --small's shapes.
+DEFAULT_PER_GRAPH = {"cuda": dict(ar=35.0, round=110.0, tiny=12.0), "cpu": dict(ar=15.0, round=40.0, tiny=20.0)}
+STARTUP_S = {"cuda": 20.0, "cpu": 15.0}  # imports, versions and clocks before the first part: --plan's start
+
+
+class Prices:
+    """What a part costs before it runs: the graphs it compiles (fewer when the parts before it handed on what it
+    needs) at the seconds per graph of their kind (measured in this call, or the defaults), and its other work."""
+
+    def __init__(self, a, cuda: bool):
+        self.a, self.cuda, self.compile = a, cuda, not a.eager
+        self.per_graph = dict(DEFAULT_PER_GRAPH["cuda" if cuda else "cpu"])
+        self.measured = {kind: [] for kind in self.per_graph}
+        self.provided = dict(ar=False, rounds=set(), verify=set())  # what later parts can take from earlier ones
+
+    def graphs_per_engine(self) -> int:
+        """A new compiled engine's graphs: its round, and on a GPU its prefill chunk (eager on a CPU)."""
+        return 2 if self.cuda else 1
+
+    def graphs(self, name: str) -> dict:
+        return PARTS[name][1](self) if self.compile else {}
+
+    def price(self, name: str) -> float:
+        work = PARTS[name][2][self.a.small or not self.cuda]
+        return sum(n * self.per_graph[kind] for kind, n in self.graphs(name).items()) + work
+
+    def compiled(self, kind: str, seconds: float, graphs: int = 1):
+        """A compile measured in this call: the running seconds per graph of its kind."""
+        self.measured[kind] += [seconds / graphs] * graphs
+        self.per_graph[kind] = statistics.mean(self.measured[kind])
+
+
+def parts_in_order(a) -> tuple:
+    """(the requested parts, the parts run after them only if they fit before the deadline)."""
+    requested = a.parts or (list(PARTS) if a.small else FIRST_PARTS)
+    return requested, [p for p in IF_TIME_REMAINS if p not in requested and not a.parts and not a.small]
+
+
+def plan(a) -> int:
+    """--plan: the call's parts priced in order at the default seconds per graph, each assumed to hand on what it
+    measures, against --deadline; nothing is built or run. Exit status 0 when every requested part fits."""
+    prices = Prices(a, torch.device(a.device).type == "cuda")
+    requested, optional = parts_in_order(a)
+    end, late = STARTUP_S["cuda" if prices.cuda else "cpu"], []
+    print(f"plan on {'a GPU' if prices.cuda else 'the CPU'} at {prices.per_graph} s per graph, --deadline "
+          f"{a.deadline:.0f} s; start {end:.0f} s")
+    for name in requested + optional:
+        price, graphs = prices.price(name), prices.graphs(name)
+        fits = end + price <= a.deadline
+        if fits:
+            end += price
+            for key, value in PARTS[name][3](a).items():
+                prices.provided[key] = value if key == "ar" else prices.provided[key] | set(value)
+        elif name in requested:
+            late.append(name)
+        print(f"  {name:16s} {'' if name in requested else '(if time remains) '}{graphs} priced {price:4.0f} s: "
+              + (f"ends at {end:4.0f} s" if fits else "past the deadline: skipped"))
+    print(f"requested parts end at {end:.0f} s, {a.deadline - end:.0f} s before --deadline"
+          if not late else f"requested parts past --deadline: {' '.join(late)}")
+    return 1 if late else 0
 
 
 class Run:
-    """The call's settings, clock, JSON and measured seconds per graph, and what parts hand each other (models,
-    bandwidth, the AR step, rounds, verifies)."""
+    """The call's settings, clock, JSON and prices, and what parts hand each other (models, bandwidth, the AR step,
+    rounds, verifies)."""
 
     def __init__(self, a):
         self.a, self.device = a, torch.device(a.device)
         self.cuda, self.compile = self.device.type == "cuda", not a.eager
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
-        self.per_graph = dict(DEFAULT_PER_GRAPH[self.device.type])
-        self.measured = {kind: [] for kind in self.per_graph}
+        self.prices = Prices(a, self.cuda)
         self.models, self.results, self.part = {}, {}, None
         self.repeats = a.repeats or (20 if self.cuda else 5)
         self.back_to_back = 100 if self.cuda else 10
@@ -154,30 +224,29 @@ class Run:
         print(f"[{self.elapsed():5.0f} s] {text}", flush=True)
 
     def save(self):
-        self.out.update(seconds=self.elapsed(), per_graph_s=self.per_graph,
-                        graphs_measured={k: len(v) for k, v in self.measured.items()})
+        self.out.update(seconds=self.elapsed(), per_graph_s=self.prices.per_graph,
+                        graphs_measured={k: len(v) for k, v in self.prices.measured.items()})
         if self.a.json:
             write_json(self.a.json, self.out)
 
     def graphs_per_engine(self) -> int:
-        """A new compiled engine's graphs: its round, and on a GPU its prefill chunk (eager on a CPU)."""
-        return 2 if self.cuda else 1
+        return self.prices.graphs_per_engine()
 
     def compiled(self, kind: str, seconds: float, graphs: int = 1):
-        """A compile measured in this call: the running seconds per graph of its kind, the part's compile seconds."""
-        self.measured[kind] += [seconds / graphs] * graphs
-        self.per_graph[kind] = statistics.mean(self.measured[kind])
+        """A compile measured in this call: its kind's running seconds per graph, the part's compile seconds."""
+        self.prices.compiled(kind, seconds, graphs)
         self.part["compile_s"] += seconds
 
     def run_part(self, name: str, requested: bool = True):
-        fn, count_graphs, work = PARTS[name]
-        graphs = count_graphs(self) if self.compile else {}
-        price = sum(n * self.per_graph[kind] for kind, n in graphs.items()) + work[self.a.small or not self.cuda]
+        fn = PARTS[name][0]
+        self.prices.provided = dict(ar="ar" in self.results, rounds=set(self.results.get("rounds", {})),
+                                    verify=set(self.results.get("verify", {})))
+        graphs, price = self.prices.graphs(name), self.prices.price(name)
         left = self.a.deadline - self.elapsed()
         rec = self.out["parts"][name] = dict(requested=requested, price_s=round(price, 1), graphs=graphs)
         if price > left:
-            rec.update(status="skipped", why=f"priced at {price:.0f} s ({graphs} at {self.per_graph} s per graph, and "
-                                             f"the rest), {left:.0f} s left before --deadline")
+            rec.update(status="skipped", why=f"priced at {price:.0f} s ({graphs} at {self.prices.per_graph} s per "
+                                             f"graph, and the rest), {left:.0f} s left before --deadline")
             self.say(f"{name}: skipped ({rec['why']})")
             return self.save()
         self.say(f"{name}: starts (priced at {price:.0f} s, {left:.0f} s left)")
@@ -265,6 +334,19 @@ class Run:
         if not self.cuda:
             return compiled
         return lambda *args: (torch.compiler.cudagraph_mark_step_begin(), compiled(*args))[1]
+
+
+@contextlib.contextmanager
+def stage_generations():
+    """Where Run.stage's calls mark their CUDA graph steps: on leaving, CUDA graph trees tell generations apart as
+    before. Once a step is marked by hand, the trees count generations by hand-marked steps alone for every later
+    compiled call of the process (an engine's round then runs as it never does for a user)."""
+    from torch._inductor import cudagraph_trees
+    before = cudagraph_trees.MarkStepBox.mark_step_counter
+    try:
+        yield
+    finally:
+        cudagraph_trees.MarkStepBox.mark_step_counter = before
 
 
 def nvidia_smi(fields: str):
@@ -372,14 +454,17 @@ def pair_smoke(run, out):
 
 def step_bytes(target: Qwen3, context: int) -> dict:
     """The bytes a decode step reads: every weight but the embedding table, of which it reads a row (a tied table
-    is read whole as the lm_head); the K/V of `context` slots; recurrent states, read and written back."""
+    is read whole as the lm_head); the K/V of `context` slots; recurrent states, read and written back. Also the
+    total with the whole table counted (`total_with_table`), as the H200 runs of record counted it."""
     weights = sum(p.numel() * p.element_size() for p in target.parameters())
     table = target.embed_tokens.weight
-    weights += table.shape[1] * table.element_size() - (0 if target.config.tie_word_embeddings else
-                                                        table.numel() * table.element_size())
+    table_bytes = 0 if target.config.tie_word_embeddings else table.numel() * table.element_size()
+    weights += table.shape[1] * table.element_size() - table_bytes
     kv = sum(c.shape[1] * context * c.shape[3] * c.element_size() for c in target.kv_caches())
     states = 2 * sum(s[:1].numel() * s.element_size() for s in target.state_tensors())
-    return dict(weights=weights, kv=kv, states=states, total=weights + kv + states)
+    total = weights + kv + states
+    return dict(weights=weights, kv=kv, states=states, total=total,
+                total_with_table=total + table_bytes - table.shape[1] * table.element_size() * bool(table_bytes))
 
 
 def ar_step(run, target: Qwen3, profile: bool) -> dict:
@@ -393,14 +478,16 @@ def ar_step(run, target: Qwen3, profile: bool) -> dict:
     step = stepped_round(engine, engine.requests.token, engine.requests.position, None)
     run.first_calls("ar", step)
     read = step_bytes(target, CONTEXT)
-    floor = read["total"] / run.bandwidth() * 1e3
+    floor, with_table = (read[k] / run.bandwidth() * 1e3 for k in ("total", "total_with_table"))
     rec = dict(pipelined_ms=pipelined_ms(step, run.device, run.back_to_back), floor_ms=floor,
-               per_call_ms=per_call_ms(step, run.device, run.repeats), copy_bandwidth_gbs=run.bandwidth() / 1e9,
-               bytes_gb={k: v / 1e9 for k, v in read.items()})
+               floor_with_table_ms=with_table, per_call_ms=per_call_ms(step, run.device, run.repeats),
+               copy_bandwidth_gbs=run.bandwidth() / 1e9, bytes_gb={k: v / 1e9 for k, v in read.items()})
     rec["pipelined_over_floor"] = rec["pipelined_ms"] / floor
+    rec["pipelined_over_floor_with_table"] = rec["pipelined_ms"] / with_table
     run.say(f"  AR step: pipelined {rec['pipelined_ms']:.3f} ms, per call {rec['per_call_ms']:.3f} ms; floor "
             f"{floor:.3f} ms ({read['total'] / 1e9:.2f} GB at {run.bandwidth() / 1e9:.0f} GB/s): "
-            f"{rec['pipelined_over_floor']:.2f}x")
+            f"{rec['pipelined_over_floor']:.2f}x; with the whole embedding table {with_table:.3f} ms: "
+            f"{rec['pipelined_over_floor_with_table']:.2f}x")
     if profile:
         rec["profile"] = table = kernel_table(step, run.device, 20)
         run.say(f"  {table['of']} per step {table['per_step']:.0f}, summed {table['us_per_step']:.0f} us against "
@@ -412,6 +499,28 @@ def ar_step(run, target: Qwen3, profile: bool) -> dict:
 def ar_profile(run, out):
     out.update(ar_step(run, run.pair8b()[0], profile=True))
     run.results["ar"] = out
+
+
+def stage_split(engine, drafter, bonus, start, measure):
+    """The round's five stages, each through measure(name, kind of graph, fn, *args) in the round's order, each
+    taking the outputs of the stages before it."""
+    if drafter.config.selector:  # a Lattice crosses the stages' edges as its two tensors
+        def draft(b, s):
+            lattice = engine.draft(b, s)
+            return lattice.tokens, lattice.scores
+
+        lattice = measure("draft", "ar", draft, bonus, start)
+        tokens, parents, depths = measure("tree", "tiny", lambda t, s: engine.propose(Lattice(t, s), None)[:3],
+                                          *lattice)
+    else:
+        logits_q = measure("draft", "ar", engine.draft, bonus, start)
+        tokens, parents, depths = measure("tree", "tiny", lambda lq: engine.propose(lq, None)[:3], logits_q)
+    rows, positions, logits, features, recurrent = measure("verify", "ar", engine.verify, bonus, tokens, parents,
+                                                           depths, start)
+    path, length, _, _ = measure("accept", "tiny", lambda lg, t, p: engine.accept(lg, t, p, None, None, None),
+                                 logits, tokens, parents)
+    measure("commit", "tiny", lambda s, p, ln, pos, f: (engine.commit(s, p, ln, pos, f, recurrent), ln)[1],
+            start, path, length, positions, features)
 
 
 def round_stages(run, target, drafter, budget: int, ar: dict | None = None) -> dict:
@@ -432,23 +541,8 @@ def round_stages(run, target, drafter, budget: int, ar: dict | None = None) -> d
         ms[name] = pipelined_ms(lambda: f(*args), run.device, run.back_to_back)
         return out
 
-    if drafter.config.selector:  # a Lattice crosses the stages' edges as its two tensors
-        def draft(b, s):
-            lattice = engine.draft(b, s)
-            return lattice.tokens, lattice.scores
-
-        lattice = measure("draft", "ar", draft, bonus, start)
-        tokens, parents, depths = measure("tree", "tiny", lambda t, s: engine.propose(Lattice(t, s), None)[:3],
-                                          *lattice)
-    else:
-        logits_q = measure("draft", "ar", engine.draft, bonus, start)
-        tokens, parents, depths = measure("tree", "tiny", lambda lq: engine.propose(lq, None)[:3], logits_q)
-    rows, positions, logits, features, recurrent = measure("verify", "ar", engine.verify, bonus, tokens, parents,
-                                                           depths, start)
-    path, length, _, _ = measure("accept", "tiny", lambda lg, t, p: engine.accept(lg, t, p, None, None, None),
-                                 logits, tokens, parents)
-    measure("commit", "tiny", lambda s, p, ln, pos, f: (engine.commit(s, p, ln, pos, f, recurrent), ln)[1],
-            start, path, length, positions, features)
+    with stage_generations():
+        stage_split(engine, drafter, bonus, start, measure)
     whole = stepped_round(engine, bonus, start, None, None, None)
     run.first_calls("round", whole)
     rec = dict(stages_ms=ms, stages_sum_ms=sum(ms.values()), round_ms=pipelined_ms(whole, run.device,
@@ -473,8 +567,8 @@ def round_profile(run, out):
 
 def verify_time(run, target, budget: int, feature_layers=()) -> dict:
     """The target's verify forward of budget + 1 rows (a random tree after CONTEXT slots, compiled as the engine
-    compiles it: benchlib.tree_verify), pipelined and per call."""
-    fn = tree_verify(target, budget, run.compile, prompt_len=CONTEXT, feature_layers=feature_layers)
+    compiles it: benchlib.tree_verify; greedy: the argmax pair, not float32 logits), pipelined and per call."""
+    fn = tree_verify(target, budget, run.compile, prompt_len=CONTEXT, feature_layers=feature_layers, argmax=True)
     run.first_calls("ar", fn)
     return dict(ms=pipelined_ms(fn, run.device, run.back_to_back),
                 per_call_ms=per_call_ms(fn, run.device, run.repeats))
@@ -498,20 +592,62 @@ def verify_curve(run, out):
         out[budget] = run.results["verify"][budget]
 
 
-def projection_graphs(run) -> dict:
-    """What projection compiles: what the parts before it in this call left unmeasured."""
-    rounds = run.results.get("rounds") or {}
-    graphs = dict(ar=0 if "ar" in run.results else 1, tiny=0 if rounds else 3, round=0 if rounds else 1)
-    verifies = {CHAIN_BUDGET} | {b for b in PAPER["budgets"] if b not in rounds}
-    graphs["ar"] += (0 if rounds else 2) + len(verifies - set(run.results.get("verify", {})))
+def projection_graphs(p: Prices) -> dict:
+    """What projection compiles: what the parts before it in this call left unmeasured, and per paper row not run
+    whole its budget's middle stages (middle_ms)."""
+    rounds = p.provided["rounds"]
+    graphs = dict(ar=0 if p.provided["ar"] else 1, tiny=0 if rounds else 3, round=0 if rounds else 1)
+    graphs["ar"] += (0 if rounds else 2) + 1 + len(set(PAPER["budgets"]) - (rounds or {64}))
     return graphs
 
 
+def middle_ms(run, target, drafter, method: str, budget: int | None) -> float:
+    """Milliseconds of a greedy round's stages that depend on its budget (the tree, the verify, the accept) at
+    `budget` (method dflash: the drafter's argmax chain and its verify of a block's rows), compiled together as one
+    stage graph after one drafter pass and timed pipelined: what the round at that budget spends beyond the draft
+    and the commit, which every budget shares."""
+    spec = Speculation(budget=budget) if method == "ddtree" else Speculation()
+    engine = Engine(target, drafter, method, Sampling(), spec, cache_length(CONTEXT, 64, method, spec, drafter),
+                    compile=run.compile)
+    engine.prefill_step = Engine.prefill_step.__get__(engine)
+    engine.start([random_tokens(CONTEXT, target.config.vocab_size)], [0])
+    bonus, start = engine.requests.token, engine.requests.position
+    draft = keep(engine.draft(bonus, start))
+
+    def middle(draft_logits):
+        tokens, parents, depths, q = engine.propose(draft_logits, None)
+        rows, positions, logits, features, recurrent = engine.verify(bonus, tokens, parents, depths, start)
+        path, length, next_token, ok = engine.accept(logits, tokens, parents, q, None, None)
+        return path, length, next_token, features  # what the commit reads: nothing of the forward is left out
+
+    with stage_generations():
+        f = run.stage(middle)
+        run.first_calls("ar", lambda: f(draft))
+        return pipelined_ms(lambda: f(draft), run.device, run.back_to_back)
+
+
+def transformers_ar(run, target) -> dict:
+    """transformers' eager greedy `generate` on the target's own weights after CONTEXT tokens: its milliseconds per
+    decoded token (benchlib.transformers_step_ms), the baseline the paper's speedups are over; or why not."""
+    try:
+        import transformers
+    except ImportError as e:
+        return dict(error=f"transformers is not installed here ({e}): no projection over its AR")
+    hf = transformers_twin(target)
+    rec = transformers_step_ms(hf, random_tokens(CONTEXT, target.config.vocab_size), 32 if run.cuda else 8,
+                               2 if run.cuda else 1)
+    rec["transformers"] = transformers.__version__
+    run.say(f"  transformers {rec['transformers']} eager generate ({rec['attention']}): {rec['step_ms']:.3f} ms per "
+            f"token after {CONTEXT} tokens")
+    return rec
+
+
 def projection(run, out):
-    """tau x (AR step / round) per budget: the speedup over our own AR were our drafter to accept as the paper's.
-    A round not run whole at a budget is the measured base round (round-profile's) with its verify stage swapped
-    for the verify at that budget (the same forward, features included); the chain's also without the tree stage
-    (its drafts are the argmax)."""
+    """tau x (AR step / round) per budget: the speedup over our own AR were our drafter to accept as the paper's,
+    and tau x (transformers' eager AR step / round), the paper's own baseline, on the same weights. A round not run
+    whole at a budget is the measured B = 64 round (round-profile's) with its budget's stages swapped: less its
+    tree, verify and accept stages, plus those of the row's budget compiled together (middle_ms; the chain: the
+    drafter's argmax chain, the verify of a block's rows, its accept)."""
     target, drafter = run.pair8b()
     if "ar" not in run.results:
         run.results["ar"] = ar_step(run, target, profile=False)
@@ -519,22 +655,33 @@ def projection(run, out):
         run.results["rounds"] = {64: round_stages(run, target, drafter, 64, run.results["ar"])}
     ar, base = run.results["ar"]["pipelined_ms"], min(run.results["rounds"])
     r0 = run.results["rounds"][base]
-    rest = r0["round_ms"] - r0["stages_ms"]["verify"]
-    if rest <= 0:  # a noisy machine measured the whole round under its verify alone: the other stages' sum instead
-        rest = r0["stages_sum_ms"] - r0["stages_ms"]["verify"]
-    rows = {f"ddtree-B{b}": dict(paper, round_ms=run.results["rounds"][b]["round_ms"], source="measured whole")
-            if b in run.results["rounds"] else
-            dict(paper, round_ms=rest + verify_8b(run, b), source=f"round at B={base}, verify at B={b}")
-            for b, paper in PAPER["budgets"].items()}
-    rows["dflash-chain"] = dict(PAPER["chain"], round_ms=rest - r0["stages_ms"]["tree"] + verify_8b(run, CHAIN_BUDGET),
-                                source=f"round at B={base} without its tree, verify of {CHAIN_BUDGET + 1} rows")
+    stages = r0["stages_ms"]
+    rest = r0["round_ms"] - stages["tree"] - stages["verify"] - stages["accept"]
+    if rest <= 0:  # a noisy machine measured the whole round under its middle stages: the others' sum instead
+        rest = stages["draft"] + stages["commit"]
+    rows = {}
+    for b, paper in PAPER["budgets"].items():
+        if b in run.results["rounds"]:
+            rows[f"ddtree-B{b}"] = dict(paper, round_ms=run.results["rounds"][b]["round_ms"], source="measured whole")
+        else:
+            rows[f"ddtree-B{b}"] = dict(paper, round_ms=rest + middle_ms(run, target, drafter, "ddtree", b),
+                                        source=f"round at B={base}, its tree, verify and accept at B={b}")
+    rows["dflash-chain"] = dict(PAPER["chain"], round_ms=rest + middle_ms(run, target, drafter, "dflash", None),
+                                source=f"round at B={base}, the chain's drafts, verify and accept in place of its "
+                                       f"tree, verify and accept")
+    out["transformers"] = hf = transformers_ar(run, target)
     for key, r in rows.items():
         r.update(projected_speedup=r["tau"] * ar / r["round_ms"], tokens_per_s=r["tau"] * 1e3 / r["round_ms"])
+        if "step_ms" in hf:
+            r["over_transformers"] = r["tau"] * hf["step_ms"] / r["round_ms"]
         run.say(f"  {key}: tau {r['tau']} x AR {ar:.3f} ms / round {r['round_ms']:.3f} ms = "
-                f"{r['projected_speedup']:.2f}x ({r['tokens_per_s']:.0f} tokens/s); the paper's {r['speedup']}x "
-                f"[{r['source']}]")
-    out.update(ar_ms=ar, ar_tokens_per_s=1e3 / ar, rows=rows,
+                f"{r['projected_speedup']:.2f}x over our AR"
+                + (f", {r['over_transformers']:.2f}x over transformers' AR" if "over_transformers" in r else "")
+                + f" ({r['tokens_per_s']:.0f} tokens/s); the paper's {r['speedup']}x over its AR [{r['source']}]")
+    out.update(ar_ms=ar, ar_tokens_per_s=1e3 / ar, rest_ms=rest, rows=rows,
                paper="DDTree paper (Ringel & Romano), Table 1 and Fig. 4: Qwen3-8B, MATH-500, T = 0")
+    if "step_ms" in hf:
+        out["ar_over_transformers"] = hf["step_ms"] / ar
 
 
 # ------------------------------------------------------------------------------------------------ hybrid parts
@@ -585,6 +732,8 @@ def hybrid_rule(run, out):
             gated_delta.TREE_SOLVE = solve  # read at each eager call
             try:
                 rule = lambda: gated_delta.tree_gated_delta(q, k, v, g, beta, state, anc, 15)  # noqa: E731
+                for _ in range(2):  # warm-up: the first calls load kernels and grow the allocator's pool
+                    rule()
                 rec = dict(eager_ms=pipelined_ms(rule, run.device, run.repeats))
                 if run.cuda:
                     replay, error = captured(rule, run.device)
@@ -596,6 +745,18 @@ def hybrid_rule(run, out):
             rec[f"{layers}_layers_ms"] = rec.get("graph_ms", rec["eager_ms"]) * layers
             out[f"R{rows}-{solve}"] = rec
             run.say(f"  R={rows} {solve}: {rec}")
+        if run.cuda:
+            out.setdefault("solve_in_a_graph", {})[f"R{rows}"] = capturable_solve(out, rows)
+
+
+def capturable_solve(out: dict, rows: int) -> str:
+    """The solve a round of R rows can take inside a CUDA graph: triangular (gated_delta's default) when it was
+    captured, else the series solve when that was (the fallback: gated_delta.TREE_SOLVE = "series"), else none
+    (the recurrent layers' tree rule would leave the graph)."""
+    for solve in ("triangular", "series"):
+        if out[f"R{rows}-{solve}"]["captured"]:
+            return solve if solve == "triangular" else "series (fallback: the triangular solve is not capturable)"
+    return "none: neither solve is capturable"
 
 
 def hybrid_slice(run, out):
@@ -641,6 +802,7 @@ def prefill(run, out):
     slice: seconds, tokens/s, the caches' bytes per token and what the longest prompt holds."""
     lengths = (1024, 2048) if run.a.small else PREFILL_LENGTHS
     for name, target in (("8b", run.pair8b()[0]), ("27b-slice", run.slice27b())):
+        run.forget()  # the 27B slice compiles afresh, its own compile measured, not the 8B's graphs reused or held
         spec = Speculation()
         engine = Engine(target, None, "ar", Sampling(), spec, cache_length(max(lengths), 8, "ar", spec, None),
                         compile=run.compile)
@@ -731,27 +893,36 @@ def flex_case(run, dtype, heads, kv_heads, dim, q_len, write, kv_len=1024) -> fl
 # -------------------------------------------------------------------------------------------------------- main
 
 
-# name: (fn(run, out) filling the part's results and raising on a failure; fn(run) -> {kind: graphs it compiles},
-# for its price; its seconds besides compiling (on a GPU at full shapes, on a CPU or with --small))
+# name: (fn(run, out) filling the part's results and raising on a failure; fn(prices) -> {kind: graphs it
+# compiles}, for its price; its seconds besides compiling (on a GPU at full shapes, on a CPU or with --small);
+# fn(args) -> what it hands on to the parts after it (Prices.provided), for --plan)
+NOTHING = lambda a: {}  # noqa: E731
 PARTS = {
     # hybrid-tiny: five engines' rounds; on a GPU also prefills: ar's, the drafter engines' and the series one's
-    "hybrid-tiny": (hybrid_tiny, lambda r: dict(tiny=8 if r.cuda else 5), (20, 30)),
-    "pair-smoke": (pair_smoke, lambda r: dict(tiny=2 * r.graphs_per_engine()), (15, 20)),
-    "ar-profile": (ar_profile, lambda r: dict(ar=1), (25, 10)),
-    "round-profile": (round_profile, lambda r: {k: n * len(r.a.round_budgets) for k, n in
-                                                dict(ar=2, tiny=3, round=1).items()}, (20, 10)),
-    "verify-curve": (verify_curve, lambda r: dict(ar=len(set(r.a.verify_budgets) - set(r.results.get("verify", {})))),
-                     (10, 5)),
-    "projection": (projection, projection_graphs, (10, 5)),
-    "hybrid-rule": (hybrid_rule, lambda r: {}, (30, 10)),
-    "hybrid-slice": (hybrid_slice, lambda r: dict(ar=3), (30, 10)),
-    "dflash2-profile": (dflash2_profile, lambda r: {k: n * len(r.a.round_budgets) for k, n in
-                                                    dict(ar=2, tiny=3, round=1).items()}, (30, 10)),
-    "prefill": (prefill, lambda r: dict(ar=2 if r.cuda else 0), (40, 20)),
-    "flex": (flex, lambda r: dict(tiny=len(SMALL_FLEX_CASES if r.a.small else FLEX_CASES)), (20, 20)),
+    "hybrid-tiny": (hybrid_tiny, lambda p: dict(tiny=8 if p.cuda else 5), (20, 30), NOTHING),
+    "pair-smoke": (pair_smoke, lambda p: dict(tiny=2 * p.graphs_per_engine()), (15, 20), NOTHING),
+    "ar-profile": (ar_profile, lambda p: dict(ar=1), (25, 10), lambda a: dict(ar=True)),
+    "round-profile": (round_profile, lambda p: {k: n * len(p.a.round_budgets) for k, n in
+                                                dict(ar=2, tiny=3, round=1).items()}, (20, 10),
+                      lambda a: dict(rounds=a.round_budgets)),
+    "verify-curve": (verify_curve, lambda p: dict(ar=len(set(p.a.verify_budgets) - p.provided["verify"])), (10, 5),
+                     lambda a: dict(verify=a.verify_budgets)),
+    # projection: besides its graphs, transformers' eager generate on the same weights
+    "projection": (projection, projection_graphs, (25, 10), lambda a: dict(ar=True, rounds=[64])),
+    "hybrid-rule": (hybrid_rule, lambda p: {}, (30, 10), NOTHING),
+    "hybrid-slice": (hybrid_slice, lambda p: dict(ar=3), (30, 10), NOTHING),
+    "dflash2-profile": (dflash2_profile, lambda p: {k: n * len(p.a.round_budgets) for k, n in
+                                                    dict(ar=2, tiny=3, round=1).items()}, (30, 10), NOTHING),
+    "prefill": (prefill, lambda p: dict(ar=2 if p.cuda else 0), (40, 20), NOTHING),
+    "flex": (flex, lambda p: dict(tiny=len(SMALL_FLEX_CASES if p.a.small else FLEX_CASES)), (20, 20), NOTHING),
 }
-FIRST_PARTS = ["hybrid-tiny", "pair-smoke", "ar-profile", "round-profile", "projection", "hybrid-rule"]
+# The first call answers the speed question; the second checks the engine's tokens on the device and how the
+# recurrent layers' tree rule can be captured (docs/benchmarks.md, "gpu_check").
+FIRST_PARTS = ["ar-profile", "round-profile", "projection"]
+SECOND_PARTS = ["pair-smoke", "hybrid-tiny", "hybrid-rule"]
+SECOND_DEADLINE = 250.0
 IF_TIME_REMAINS = ["verify-curve", "hybrid-slice", "dflash2-profile", "prefill", "flex"]
+DEADLINE = 450.0  # the first call's: its command runs under timeout_s 510, the second's under 280
 
 
 class Parser(argparse.ArgumentParser):
@@ -769,15 +940,24 @@ def parse_args(argv=None):
                    help=f"parts to run, in this order (default: {' '.join(FIRST_PARTS)}, then if time remains "
                         f"{' '.join(IF_TIME_REMAINS)}; with --small all)")
     p.add_argument("--deadline", type=float, help="seconds from the start: a part priced to end later is skipped "
-                                                  "(default 500; --small 1500)")
+                                                  f"(default {DEADLINE:.0f}; --small 1500)")
     p.add_argument("--part-seconds", type=float, help="each part's alarm (default 300; --small 900)")
     p.add_argument("--round-budgets", type=int, nargs="+", default=[64])
     p.add_argument("--verify-budgets", type=int, nargs="+", default=[128, 512])
     p.add_argument("--repeats", type=int, help="synchronized calls per timing (default 20; CPU 5)")
     p.add_argument("--json", help="where the JSON goes (rewritten after every part)")
+    p.add_argument("--second-call", action="store_true",
+                   help=f"the second call's parts ({' '.join(SECOND_PARTS)}) and deadline ({SECOND_DEADLINE:.0f} s)")
+    p.add_argument("--plan", action="store_true", help="print the call's parts priced against --deadline and exit "
+                                                      "(runs nothing: no device needed)")
     p.add_argument("--plant-failure", choices=list(PARTS), help=argparse.SUPPRESS)  # the report's own test
     a = p.parse_args(argv)
-    a.deadline = (1500.0 if a.small else 500.0) if a.deadline is None else a.deadline
+    if a.second_call:
+        if a.parts:
+            p.error("--second-call names its own parts: give --parts or --second-call")
+        a.parts = list(SECOND_PARTS)
+        a.deadline = SECOND_DEADLINE if a.deadline is None else a.deadline
+    a.deadline = (1500.0 if a.small else DEADLINE) if a.deadline is None else a.deadline
     a.part_seconds = (900.0 if a.small else 300.0) if a.part_seconds is None else a.part_seconds
     if a.parts and len(set(a.parts)) != len(a.parts):
         p.error(f"--parts names a part twice: {' '.join(a.parts)}")
@@ -789,26 +969,100 @@ def parse_args(argv=None):
         p.error(f"--device {a.device!r} is not a device (cuda, cuda:N or cpu)")
     if device.type not in ("cuda", "cpu"):
         p.error(f"--device {a.device!r}: this check runs on cuda or cpu")
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+    if device.type == "cuda" and not a.plan and (not torch.cuda.is_available()
+                                                 or (device.index or 0) >= torch.cuda.device_count()):
         p.error(f"--device {a.device!r}: no such CUDA device here (use --device cpu --small on a CPU)")
     return a
 
 
+def rounded(x):
+    """Numbers to 4 significant digits, through dicts and lists: the summary's figures."""
+    if isinstance(x, float):
+        return float(f"{x:.4g}")
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [rounded(v) for v in x]
+    return x
+
+
+def round_figures(rounds: dict) -> dict:
+    return {b: dict(stages_ms=r["stages_ms"], round_ms=r["round_ms"], per_call_ms=r["round_per_call_ms"],
+                    host_ms=r["host_ms"], over_ar=r.get("round_over_ar")) for b, r in rounds.items()
+            if isinstance(r, dict) and "round_ms" in r}
+
+
+# Each part's figures that matter, picked from its result for the summary.
+FIGURES = {
+    "ar-profile": lambda r: dict(ms=r["pipelined_ms"], per_call_ms=r["per_call_ms"], floor_ms=r["floor_ms"],
+                                 over_floor=r["pipelined_over_floor"], floor_with_table_ms=r["floor_with_table_ms"],
+                                 over_floor_with_table=r["pipelined_over_floor_with_table"],
+                                 copy_gbs=r["copy_bandwidth_gbs"], kernels_per_step=r.get("profile", {}).get(
+                                     "per_step")),
+    "round-profile": round_figures,
+    "projection": lambda r: dict(ar_ms=r["ar_ms"], rest_ms=r["rest_ms"],
+                                 transformers_ms=r["transformers"].get("step_ms", r["transformers"].get("error")),
+                                 rows={k: dict(round_ms=v["round_ms"], tau=v["tau"], over_our_ar=v["projected_speedup"],
+                                               over_transformers=v.get("over_transformers"), paper=v["speedup"])
+                                       for k, v in r["rows"].items()}),
+    "verify-curve": lambda r: {b: v["ms"] for b, v in r.items()},
+    "pair-smoke": lambda r: {k: v["equal_to_eager_ar"] for k, v in r.items()},
+    "hybrid-tiny": lambda r: {k: v["equal_to_eager_ar"] for k, v in r.items() if isinstance(v, dict)},
+    "hybrid-rule": lambda r: {k: [v.get("eager_ms"), v.get("graph_ms"), v.get("captured")] if k.startswith("R")
+                              else v for k, v in r.items()},
+    "hybrid-slice": lambda r: dict(ar_ms=r["ar"]["pipelined_ms"], over_floor=r["ar"]["pipelined_over_floor"],
+                                   verify_ms={k: v["ms"] for k, v in r.items() if k.startswith("verify")}),
+    "dflash2-profile": round_figures,
+    "prefill": lambda r: {m: {n: v["tokens_per_s"] for n, v in rec.items() if isinstance(v, dict) and
+                              "tokens_per_s" in v} for m, rec in r.items()},
+    "flex": lambda r: dict(worst=max((v.get("max_diff") or 0.0) for v in r.values()),
+                           not_ok=[k for k, v in r.items() if not v["ok"]]),
+}
+
+
+def summary(out: dict) -> dict:
+    """One compact record of the call: versions, each part's status, seconds and compile seconds, its figures that
+    matter (or why it has none), the requested parts not ok; printed last, so that the tail of the output holds
+    every figure even when the files are lost."""
+    parts = {}
+    for name, rec in out["parts"].items():
+        entry = dict(status=rec["status"], s=rec.get("seconds"), compile_s=rec.get("compile_s"))
+        if rec["status"] in ("skipped", "timeout"):
+            entry["why"] = rec.get("why")
+        if "traceback" in rec:
+            entry["error"] = rec["traceback"].strip().splitlines()[-1][:300]
+        try:
+            figures = FIGURES[name](rec.get("result") or {})
+            if any(v is not None for v in (figures.values() if isinstance(figures, dict) else [figures])):
+                entry["figures"] = figures
+        except (KeyError, TypeError, AttributeError, ValueError):  # a part cut short has some of its figures
+            entry["figures"] = "incomplete (the JSON holds what it measured)"
+        parts[name] = entry
+    v = out["versions"]
+    return rounded(dict(torch=v["torch"], triton=v["triton"], device=v["device_name"], seconds=out.get("seconds"),
+                        per_graph_s=out.get("per_graph_s"), parts=parts, not_ok=out.get("not_ok")))
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.plan:
+        return plan(a)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    requested = a.parts or (list(PARTS) if a.small else FIRST_PARTS)
+    requested, optional = parts_in_order(a)
     run = Run(a)
     run.out["requested"] = requested
     run.say(f"versions: {run.out['versions']}; clocks: {run.out['clocks_at_start']}")
     run.save()
     with torch.inference_mode():
-        for name in requested + [p for p in IF_TIME_REMAINS if p not in requested and not a.parts and not a.small]:
+        for name in requested + optional:
             run.run_part(name, requested=name in requested)
     run.out["clocks_at_end"] = clocks(run.device)
     run.out["not_ok"] = [k for k in requested if run.out["parts"][k]["status"] != "ok"]
-    run.say(f"requested parts not ok: {run.out['not_ok'] or 'none'}")
     run.save()
+    run.out["summary"] = summary(run.out)
+    run.save()
+    run.say(f"requested parts not ok: {run.out['not_ok'] or 'none'}")
+    print("summary: " + json.dumps(run.out["summary"], separators=(",", ":")), flush=True)
     return 1 if run.out["not_ok"] else 0
 
 

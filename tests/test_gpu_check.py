@@ -1,8 +1,9 @@
 """scripts/gpu_check.py's machinery, on the CPU with small shapes (eager where the point is not compiling, so that
 it stays quick): the named parts run in the order given, each recorded with its measures; a part that fails is an
 error, one that overruns its alarm a timeout, one priced past the deadline skipped, and any of these makes the
-exit status 1; bad arguments are one error line and exit 2. The full smoke run, every part compiled, is
-`python scripts/gpu_check.py --device cpu --small --json PATH` (docs/benchmarks.md)."""
+exit status 1; bad arguments are one error line and exit 2; the output ends with one compact summary holding the
+figures; --plan prices the documented device calls within their deadlines without running anything. The full smoke
+run, every part compiled, is `python scripts/gpu_check.py --device cpu --small --json PATH` (docs/benchmarks.md)."""
 
 import json
 import os
@@ -11,9 +12,11 @@ import sys
 
 import torch
 
-from conftest import assert_one_error_line
+from conftest import REPO_ROOT, assert_one_error_line
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_check.py")
+SCRIPT = os.path.join(REPO_ROOT, "scripts", "gpu_check.py")
+sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+import gpu_check as script  # noqa: E402
 
 
 def gpu_check(tmp_path, *args):
@@ -45,8 +48,13 @@ def test_named_parts_run_in_order_and_report_their_measures(tmp_path):
     rule = result["parts"]["hybrid-rule"]["result"]
     assert set(rule) == {f"R{r}-{s}" for r in (65, 257, 513) for s in ("triangular", "series")}
     projection = result["parts"]["projection"]["result"]
-    for row in projection["rows"].values():  # tau x AR step / round, the verifies it lacked measured by itself
+    assert ar["floor_with_table_ms"] > ar["floor_ms"]  # the untied 8B table: read whole or a row of it
+    hf = projection["transformers"]  # transformers' eager generate on the same weights, timed in this call
+    assert hf["step_ms"] > 0 and hf["attention"]
+    assert projection["ar_over_transformers"] == hf["step_ms"] / ar["pipelined_ms"]
+    for row in projection["rows"].values():  # tau x AR step / round, the middles it lacked measured by itself
         assert row["projected_speedup"] == row["tau"] * projection["ar_ms"] / row["round_ms"] > 0
+        assert row["over_transformers"] == row["tau"] * hf["step_ms"] / row["round_ms"] > 0
     assert set(result["parts"]["verify-curve"]["result"]) == {"4"}
     dflash2 = result["parts"]["dflash2-profile"]["result"]  # the lattice's stages, the drafter's shape recorded
     assert list(dflash2["64"]["stages_ms"]) == list(stages) and dflash2["drafter"]["selector_top_k"] == 8
@@ -55,6 +63,17 @@ def test_named_parts_run_in_order_and_report_their_measures(tmp_path):
         rec = result["parts"]["prefill"]["result"][name]
         assert set(rec) == {"chunk", "bytes_per_token", "1024", "2048"} and rec["bytes_per_token"]["target_kv"] > 0
         assert all(rec[n]["tokens_per_s"] == int(n) / rec[n]["seconds"] > 0 for n in ("1024", "2048"))
+    # the last line: the summary, short, the JSON's own, with every part's figures
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("summary: ") and len(last) < 4000, last[:200]
+    summary = json.loads(last[len("summary: "):])
+    assert summary == result["summary"] and list(summary["parts"]) == parts and summary["not_ok"] == []
+    figures = {name: part["figures"] for name, part in summary["parts"].items()}
+    assert figures["ar-profile"]["floor_with_table_ms"] > figures["ar-profile"]["floor_ms"] > 0
+    assert figures["projection"]["transformers_ms"] > 0
+    for key, row in figures["projection"]["rows"].items():
+        assert row["over_our_ar"] > 0 and row["over_transformers"] > 0 and row["paper"] in (7.52, 5.56), key
+    assert set(figures["round-profile"]["64"]["stages_ms"]) == set(stages)
 
 
 def test_a_failing_part_and_an_overrunning_one_end_not_ok_and_the_run_goes_on(tmp_path):
@@ -82,3 +101,39 @@ def test_bad_arguments_are_one_error_line(tmp_path):
     for args, message in cases:
         proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120)
         assert_one_error_line(proc.returncode, proc.stderr, message)
+
+
+def test_the_documented_calls_fit_their_deadlines_and_one_that_does_not_is_named():
+    """--plan prices the first device call (the speed parts) and the second (the smokes) from the default seconds
+    per graph, without a device; each ends before its deadline with a margin. Too short a deadline names the
+    requested parts that would be skipped, exit 1."""
+    for args, parts in ([], script.FIRST_PARTS), (["--second-call"], script.SECOND_PARTS):
+        proc = subprocess.run([sys.executable, SCRIPT, "--plan", *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        lines = proc.stdout.splitlines()
+        assert [line.split()[0] for line in lines[1:1 + len(parts)]] == parts
+        assert all("ends at" in line for line in lines[1:1 + len(parts)])
+        end, margin = (float(w) for w in lines[-1].split()[4:7:2])
+        assert end + margin == float(lines[0].split("--deadline ")[1].split()[0]) and margin >= 0.05 * end, lines[-1]
+    proc = subprocess.run([sys.executable, SCRIPT, "--plan", "--deadline", "200"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == "requested parts past --deadline: round-profile " \
+                                                                    "projection", proc.stdout
+
+
+def test_stage_marks_leave_generation_tracking_as_it_was():
+    """Run.stage marks a CUDA graph step at each call; once marked by hand, CUDA graph trees would count
+    generations by hand-marked steps alone for the rest of the process: stage_generations puts it back."""
+    from torch._inductor import cudagraph_trees
+    before = cudagraph_trees.MarkStepBox.mark_step_counter
+    with script.stage_generations():
+        torch.compiler.cudagraph_mark_step_begin()
+        assert cudagraph_trees.MarkStepBox.mark_step_counter != before
+    assert cudagraph_trees.MarkStepBox.mark_step_counter == before
+
+
+def test_the_solve_a_graph_can_take_is_named():
+    captured = lambda tri, ser: {"R513-triangular": dict(captured=tri), "R513-series": dict(captured=ser)}  # noqa
+    assert script.capturable_solve(captured(True, True), 513) == "triangular"
+    assert script.capturable_solve(captured(False, True), 513).startswith("series (fallback")
+    assert script.capturable_solve(captured(False, False), 513).startswith("none")
