@@ -941,7 +941,7 @@ def parse_args(argv=None):
                         f"{' '.join(IF_TIME_REMAINS)}; with --small all)")
     p.add_argument("--deadline", type=float, help="seconds from the start: a part priced to end later is skipped "
                                                   f"(default {DEADLINE:.0f}; --small 1500)")
-    p.add_argument("--part-seconds", type=float, help="each part's alarm (default 300; --small 900)")
+    p.add_argument("--part-seconds", type=float, help="each part's alarm (default 400; --small 900)")
     p.add_argument("--round-budgets", type=int, nargs="+", default=[64])
     p.add_argument("--verify-budgets", type=int, nargs="+", default=[128, 512])
     p.add_argument("--repeats", type=int, help="synchronized calls per timing (default 20; CPU 5)")
@@ -958,7 +958,7 @@ def parse_args(argv=None):
         a.parts = list(SECOND_PARTS)
         a.deadline = SECOND_DEADLINE if a.deadline is None else a.deadline
     a.deadline = (1500.0 if a.small else DEADLINE) if a.deadline is None else a.deadline
-    a.part_seconds = (900.0 if a.small else 300.0) if a.part_seconds is None else a.part_seconds
+    a.part_seconds = (900.0 if a.small else 400.0) if a.part_seconds is None else a.part_seconds
     if a.parts and len(set(a.parts)) != len(a.parts):
         p.error(f"--parts names a part twice: {' '.join(a.parts)}")
     if min(a.round_budgets + a.verify_budgets) < 1 or a.deadline <= 0 or a.part_seconds <= 0 or (a.repeats or 1) < 1:
