@@ -27,7 +27,8 @@ step() {
     shift
     "$@" >>"$VLOG" 2>&1
     rc=$?
-    say "torch $V: $name $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") in $((SECONDS - t0)) s"
+    say "torch $V: $name $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") in $((SECONDS - t0)) s" \
+        "(load average $(cut -d' ' -f1-3 /proc/loadavg): other jobs share the cores)"
     [ $rc = 0 ] || failed=1
     return $rc
 }
