@@ -40,7 +40,8 @@ stands in. A part priced to end past --deadline is skipped. Each part runs under
 never past the deadline). Each part records status (ok, error + traceback, timeout, skipped + why), seconds, peak
 device memory, recompiles, graphs CUDA graphs refused and compile seconds; the JSON (versions, device, driver,
 clocks) is rewritten after every part, so a run cut short keeps what it measured. The output ends with one line,
-`summary: {...}`: every part's status and the figures that matter, rounded (a few thousand characters). Exit
+`summary: {...}`: every part's status and the figures that matter, rounded (a few thousand characters); on SIGTERM
+(a time limit's) the running part ends as terminated, no other starts, and the summary is printed all the same. Exit
 status: 0 when every requested part is ok (--plan: when every requested part fits), 1 when one errs, times out or
 is skipped, 2 for bad arguments.
 """
@@ -209,7 +210,7 @@ class Run:
         self.cuda, self.compile = self.device.type == "cuda", not a.eager
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.prices = Prices(a, self.cuda)
-        self.models, self.results, self.part = {}, {}, None
+        self.models, self.results, self.part, self.terminated = {}, {}, None, None
         self.repeats = a.repeats or (20 if self.cuda else 5)
         self.back_to_back = 100 if self.cuda else 10
         self.out = dict(command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
@@ -273,9 +274,11 @@ class Run:
             rec["status"] = "ok"
         except (PartTimeout, Exception):  # noqa: BLE001 (a part's failure is a finding; the next part runs)
             # dynamo and inductor may wrap the alarm's exception in their own: the alarm's record decides
-            rec.update(status="timeout" if rang else "error", traceback=traceback.format_exc()[-6000:])
-            if rang:
-                rec["why"] = f"stopped after {rang[0] - t:.0f} s"
+            status = "timeout" if rang else "terminated" if self.terminated is not None else "error"
+            rec.update(status=status, traceback=traceback.format_exc()[-6000:])
+            if status != "error":
+                rec["why"] = f"stopped after {(rang[0] if rang else self.terminated) - t:.0f} s" + (
+                    " by SIGTERM" if status == "terminated" else "")
         # cudagraph_skips: graphs that CUDA graph trees refused and ran uncaptured (the log says why)
         rec.update(seconds=time.time() - t, recompiles=sum(counters["recompiles"].values()) - recompiles,
                    cudagraph_skips=counters["inductor"]["cudagraph_skips"] - skips,
@@ -284,6 +287,13 @@ class Run:
                  + (f"\n{rec['traceback']}" if "traceback" in rec else ""))
         self.forget()
         self.save()
+
+    def terminate(self, signum, frame):
+        """SIGTERM (a command's time limit, say): the part running ends as `terminated`, no other part starts, and
+        the call ends with its summary, so that the output's tail still holds what was measured."""
+        self.terminated = time.time()
+        if self.part is not None and "status" not in self.part:
+            raise PartTimeout("terminated (SIGTERM)")
 
     def forget(self):
         """Engines and compiled graphs go after every part (one cut short leaves them half made; CUDA graph pools
@@ -897,19 +907,19 @@ def flex_case(run, dtype, heads, kv_heads, dim, q_len, write, kv_len=1024) -> fl
 # compiles}, for its price; its seconds besides compiling (on a GPU at full shapes, on a CPU or with --small);
 # fn(args) -> what it hands on to the parts after it (Prices.provided), for --plan)
 NOTHING = lambda a: {}  # noqa: E731
-PARTS = {
-    # hybrid-tiny: five engines' rounds; on a GPU also prefills: ar's, the drafter engines' and the series one's
-    "hybrid-tiny": (hybrid_tiny, lambda p: dict(tiny=8 if p.cuda else 5), (20, 30), NOTHING),
-    "pair-smoke": (pair_smoke, lambda p: dict(tiny=2 * p.graphs_per_engine()), (15, 20), NOTHING),
+PARTS = {  # in the order --small runs them: the device calls' order
     "ar-profile": (ar_profile, lambda p: dict(ar=1), (25, 10), lambda a: dict(ar=True)),
     "round-profile": (round_profile, lambda p: {k: n * len(p.a.round_budgets) for k, n in
                                                 dict(ar=2, tiny=3, round=1).items()}, (20, 10),
                       lambda a: dict(rounds=a.round_budgets)),
-    "verify-curve": (verify_curve, lambda p: dict(ar=len(set(p.a.verify_budgets) - p.provided["verify"])), (10, 5),
-                     lambda a: dict(verify=a.verify_budgets)),
     # projection: besides its graphs, transformers' eager generate on the same weights
     "projection": (projection, projection_graphs, (25, 10), lambda a: dict(ar=True, rounds=[64])),
+    "pair-smoke": (pair_smoke, lambda p: dict(tiny=2 * p.graphs_per_engine()), (15, 20), NOTHING),
+    # hybrid-tiny: five engines' rounds; on a GPU also prefills: ar's, the drafter engines' and the series one's
+    "hybrid-tiny": (hybrid_tiny, lambda p: dict(tiny=8 if p.cuda else 5), (20, 30), NOTHING),
     "hybrid-rule": (hybrid_rule, lambda p: {}, (30, 10), NOTHING),
+    "verify-curve": (verify_curve, lambda p: dict(ar=len(set(p.a.verify_budgets) - p.provided["verify"])), (10, 5),
+                     lambda a: dict(verify=a.verify_budgets)),
     "hybrid-slice": (hybrid_slice, lambda p: dict(ar=3), (30, 10), NOTHING),
     "dflash2-profile": (dflash2_profile, lambda p: {k: n * len(p.a.round_budgets) for k, n in
                                                     dict(ar=2, tiny=3, round=1).items()}, (30, 10), NOTHING),
@@ -1027,7 +1037,7 @@ def summary(out: dict) -> dict:
     parts = {}
     for name, rec in out["parts"].items():
         entry = dict(status=rec["status"], s=rec.get("seconds"), compile_s=rec.get("compile_s"))
-        if rec["status"] in ("skipped", "timeout"):
+        if rec["status"] in ("skipped", "timeout", "terminated"):
             entry["why"] = rec.get("why")
         if "traceback" in rec:
             entry["error"] = rec["traceback"].strip().splitlines()[-1][:300]
@@ -1053,9 +1063,13 @@ def main(argv=None) -> int:
     run.out["requested"] = requested
     run.say(f"versions: {run.out['versions']}; clocks: {run.out['clocks_at_start']}")
     run.save()
+    signal.signal(signal.SIGTERM, run.terminate)
     with torch.inference_mode():
         for name in requested + optional:
-            run.run_part(name, requested=name in requested)
+            if run.terminated is None:
+                run.run_part(name, requested=name in requested)
+            else:
+                run.out["parts"][name] = dict(requested=name in requested, status="skipped", why="SIGTERM came first")
     run.out["clocks_at_end"] = clocks(run.device)
     run.out["not_ok"] = [k for k in requested if run.out["parts"][k]["status"] != "ok"]
     run.save()

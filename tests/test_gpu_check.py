@@ -7,6 +7,7 @@ run, every part compiled, is `python scripts/gpu_check.py --device cpu --small -
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -137,3 +138,25 @@ def test_the_solve_a_graph_can_take_is_named():
     assert script.capturable_solve(captured(True, True), 513) == "triangular"
     assert script.capturable_solve(captured(False, True), 513).startswith("series (fallback")
     assert script.capturable_solve(captured(False, False), 513).startswith("none")
+
+
+def test_sigterm_ends_the_running_part_and_the_summary_is_printed(tmp_path):
+    """A command stopped at its time limit (SIGTERM): the part running ends as terminated, none after it starts,
+    and the output still ends with the summary (the JSON too)."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--device", "cpu", "--small", "--json", str(out), "--parts",
+                             "hybrid-rule", "ar-profile", "prefill"], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    lines = []
+    for line in proc.stdout:  # ar-profile compiles its step: seconds on any machine
+        lines.append(line)
+        if "ar-profile: starts" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=300) == 1, "".join(lines)[-3000:]
+    summary = json.loads(lines[-1][len("summary: "):])
+    statuses = {name: part["status"] for name, part in summary["parts"].items()}
+    assert statuses == {"hybrid-rule": "ok", "ar-profile": "terminated", "prefill": "skipped"}, statuses
+    assert "SIGTERM" in summary["parts"]["ar-profile"]["why"] and summary["not_ok"] == ["ar-profile", "prefill"]
+    assert json.loads(out.read_text())["summary"] == summary
