@@ -44,9 +44,11 @@ class Text:
         value = self.config.get(name)
         return value.get("content", "") if isinstance(value, dict) else (value or "")
 
-    def render_chat(self, prompt: str) -> str:
+    def render_chat(self, prompt: str | list[dict]) -> str:
         """The user turn plus the assistant header, as transformers' apply_chat_template(add_generation_prompt=True,
-        enable_thinking=False) renders it (DFlash drafters were trained without thinking)."""
+        enable_thinking=False) renders it (DFlash drafters were trained without thinking). A list of messages
+        ({"role": "user" or "assistant", "content": ...}, the user's last) renders a whole conversation."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -61,7 +63,7 @@ class Text:
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
         try:
             return env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, enable_thinking=False,
+                messages=messages, add_generation_prompt=True, enable_thinking=False,
                 bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
         except (TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise ValueError(f"the chat template failed to render ({type(e).__name__}: {e})") from None

@@ -149,6 +149,9 @@ def test_chat_template_renders_like_transformers(checkpoint):
     messages = [{"role": "user", "content": "def f(x):"}]
     assert ours.render_chat("def f(x):") == hf.apply_chat_template(messages, tokenize=False,
                                                                      add_generation_prompt=True)
+    conversation = messages + [{"role": "assistant", "content": "    return x"}, {"role": "user", "content": "Why?"}]
+    assert ours.render_chat(conversation) == hf.apply_chat_template(conversation, tokenize=False,
+                                                                    add_generation_prompt=True)
     assert ours.encode("x = [1, 2]  # ok") == hf.encode("x = [1, 2]  # ok", add_special_tokens=False)
 
 
