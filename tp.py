@@ -56,8 +56,15 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+# Set by a data-parallel run (scripts/bench.py datasets under torchrun): every rank holds the whole model and runs
+# requests of its own, so nothing is sharded and no rank waits on another's collectives.
+DATA_PARALLEL = False
+
+
 def enabled() -> bool:
-    return world_size() > 1
+    """Whether this process is a rank of a tensor-parallel run: launched by torchrun with 2 ranks or more, not as
+    data parallel."""
+    return world_size() > 1 and not DATA_PARALLEL
 
 
 # How long a collective waits for the other ranks before it fails (DDTREE_TP_TIMEOUT_S, seconds): a rank that
