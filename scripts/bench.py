@@ -23,6 +23,11 @@ Models side by side (scripts/bench_models.py)
   calibrate   budget auto's calibration for a pair on this device, stored in the cost cache, and its curve
   moe-parallel  one MoE layer over torchrun's ranks, every expert split beside expert parallel, per verify rows
 
+The paper's benchmark (scripts/bench_datasets.py)
+  datasets    Table 1 on the paper's datasets (MATH-500, GSM8K, AIME, HumanEval, MBPP, LiveCodeBench, SWE-bench,
+              MT-Bench, Alpaca): tau and speedup over AR per method and budget, every greedy output checked equal
+              to AR's, HumanEval's pass@1 (--score), a JSON of every response, plots; data parallel under torchrun
+
 The library they share is scripts/benchlib.py; docs/benchmarks.md holds what each measured, when and on which
 machine. Bad options are one `error:` line and exit status 2, as on ddtree.py's command line.
 """
@@ -33,11 +38,12 @@ import os
 import sys
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+import bench_datasets  # noqa: E402
 import bench_models  # noqa: E402
 import bench_round  # noqa: E402
 from cli import in_flags, one_line_errors  # noqa: E402
 
-COMMANDS = {**bench_round.COMMANDS, **bench_models.COMMANDS}  # name -> (its options, its run)
+COMMANDS = {**bench_round.COMMANDS, **bench_models.COMMANDS, **bench_datasets.COMMANDS}  # name -> (its options, its run)
 
 
 def parser() -> argparse.ArgumentParser:

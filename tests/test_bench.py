@@ -34,6 +34,12 @@ def test_every_command_parses_its_help(command, capsys):
     (["official"], "the following arguments are required: --official"),
     (["official", "--official", "/nonexistent"], "--official /nonexistent is not a checkout"),
     (["moe-parallel", "--check"], "run it under torchrun with 2 ranks or more"),
+    (["datasets", "--methods", "dflash", "ddtree"], "--methods must include ar"),
+    (["datasets", "--budgets", "16", "0"], "--budgets takes positive integers or auto, not '0'"),
+    (["datasets", "--datasets", "mt-bench", "--score"], "--score runs HumanEval's tests: add humaneval to --datasets"),
+    (["datasets", "--rows", "gsm8k=rows.jsonl"], "--rows takes NAME=FILE with NAME one of --datasets"),
+    (["datasets", "--rows", "humaneval=/nonexistent.jsonl"], "--rows humaneval=/nonexistent.jsonl: no such file"),
+    (["datasets", "--datasets", "gsm9k"], "argument --datasets: invalid choice: 'gsm9k'"),
 ])
 def test_bad_options_are_one_error_line(args, message, capsys):
     assert_one_error_line(bench.main(args), capsys.readouterr().err, message)
