@@ -612,10 +612,10 @@ def datasets_run(a):
             if any((i.dataset, i.id, t, k) not in runs.done for k in keys)]
     if rank == 0:
         counts = ", ".join(f"{d} ({sum(i.dataset == d for i in items)} from {origins[d]})" for d in a.datasets)
-        print(f"datasets: {counts}; {a.target} + {a.draft if runner.drafter else '-'}, {runner.target.device}, {settings['dtype']}, "
-              f"{'compiled' if a.compile else 'eager'}, {torch.get_num_threads()} threads; "
+        print(f"datasets: {counts}; {a.target} + {a.draft if runner.drafter else '-'}, {runner.target.device}, "
+              f"{settings['dtype']}, {'compiled' if a.compile else 'eager'}, {torch.get_num_threads()} threads; "
               f"{'the chat template, thinking off' if runner.chat else 'no chat template: the prompts as written'};"
-              f" {ranks} rank{'s' * (ranks > 1)} (data parallel)", flush=True)
+              f" {f'{ranks} ranks (data parallel)' if ranks > 1 else 'one process'}", flush=True)
         if runs.resumed:
             print(f"resumed from {a.json}: {runs.resumed} responses already there, {len(todo)} problem/temperature "
                   f"pairs of this rank left", flush=True)
