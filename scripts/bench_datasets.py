@@ -9,7 +9,9 @@ rank 0 gathers the results.
 """
 
 import argparse
+import atexit
 import contextlib
+import datetime
 import gzip
 import json
 import os
@@ -563,7 +565,9 @@ def data_parallel_group() -> tuple:
         return 0, 1
     tp.DATA_PARALLEL = True
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        # The one gather waits for the slowest shard, which may end hours after the fastest: no early timeout.
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
+        atexit.register(dist.destroy_process_group)
     return dist.get_rank(), dist.get_world_size()
 
 
