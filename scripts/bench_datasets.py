@@ -289,7 +289,7 @@ class Runner:
 
     def __init__(self, target, drafter, text: Text, chat: bool, a):
         self.target, self.drafter, self.text, self.chat, self.a = target, drafter, text, chat, a
-        self.engines = {}
+        self.engines, self.length = {}, 0
 
     def prompt_ids(self, messages: list) -> list:
         if self.chat:
@@ -318,12 +318,15 @@ class Runner:
         return result
 
     def engine(self, method, drafter, sampling, spec, prompt_len):
+        """The engine of these settings whose caches hold this prompt. Every engine has the same cache length, the
+        longest any request has needed so far: the caches are the models', shared by the engines, so engines of
+        different lengths taking turns would resize them at every request."""
         budgets = auto_budgets(prompt_len, self.a.max_new_tokens, self.target) if spec.budget == "auto" else ()
-        length = cache_length(prompt_len, self.a.max_new_tokens, method, spec, drafter, budgets,
-                              self.target.device.type)
-        key = (method, sampling, spec, length)
+        self.length = max(self.length, cache_length(prompt_len, self.a.max_new_tokens, method, spec, drafter,
+                                                    budgets, self.target.device.type))
+        key = (method, sampling, spec, self.length, budgets)
         if key not in self.engines:  # get_engine keeps one settings' engines; this keeps every method's
-            self.engines[key] = ddtree.get_engine(self.target, drafter, method, sampling, spec, length,
+            self.engines[key] = ddtree.get_engine(self.target, drafter, method, sampling, spec, self.length,
                                                   self.a.compile, 1, budgets)
         return self.engines[key]
 
@@ -346,7 +349,10 @@ def run_item(runner: Runner, runs: Runs, item: Item, temperature: float, keys: l
             messages.append({"role": "user", "content": content})
             prompt = runner.prompt_ids(messages)
             seed = turn_seed(runner.a.seed, item, temperature, t)
-            res = runner.run(key, temperature, prompt, seed)
+            try:
+                res = runner.run(key, temperature, prompt, seed)
+            except ValueError as e:  # e.g. a prompt longer than the target's positions: say which
+                raise ValueError(f"{item.dataset} {item.id} (turn {t + 1}), {key}: {e}") from None
             text = runner.text.decode(res.tokens, skip_special_tokens=True)
             s = res.stats
             turns.append(dict(prompt_tokens=len(prompt), tokens=res.tokens, text=text, accepted=s["accepted"],
@@ -673,11 +679,15 @@ def load_pair(a) -> "Runner":
 def run_all(runner: Runner, runs: Runs, todo: list, keys: list, rank: int) -> str | None:
     from tqdm import tqdm
     with tqdm(total=len(todo), desc="problems", unit="problem", disable=rank != 0, file=sys.stderr) as bar:
-        for item, temperature in todo:
-            mismatch = run_item(runner, runs, item, temperature, keys)
-            bar.update()
-            if mismatch:
-                return mismatch
+        try:
+            for item, temperature in todo:
+                mismatch = run_item(runner, runs, item, temperature, keys)
+                bar.update()
+                if mismatch:
+                    return mismatch
+        except BaseException:
+            bar.leave = False  # the bar is cleared: the error line comes alone
+            raise
     return None
 
 

@@ -115,6 +115,15 @@ def test_a_greedy_output_that_differs_from_ar_stops_the_run_and_names_the_prompt
     assert [r["method"] for r in done] == ["ar", "dflash", "ddtree-4"]  # it stopped there
 
 
+def test_a_request_the_target_cannot_hold_is_one_error_line_naming_the_prompt(rows, tmp_path, capsys):
+    code = bench.main(command(rows, tmp_path)[:-8] + ["--max-new-tokens", "2000", "--threads", "1", "--json",
+                                                       str(tmp_path / "run.json")])
+    err = capsys.readouterr().err  # the progress bar, cleared (carriage returns), then the error line
+    assert code == 2 and "Traceback" not in err and err.endswith("\n") and err.count("\n") == 1, err
+    assert err.splitlines()[-1].startswith("error: humaneval test/0 (turn 1), ar: prompt (") and \
+        "exceeds the 2048 positions" in err, err
+
+
 def test_a_dataset_the_hub_cannot_give_is_one_error_line(tmp_path, capsys, monkeypatch):
     """With the Hub client offline (as on a machine without a network, at once), a Hub dataset is one `error:`
     line, before any model loads."""
