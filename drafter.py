@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loading import (check_pair, dflash_config_fields, load_weights, parse_device, parse_dtype, read_json,
-                     resolve_checkpoint)
+from loading import (check_layer_count, check_pair, dflash_config_fields, load_weights, on_meta, parse_device,
+                     parse_dtype, read_json, resolve_checkpoint)
 from draft_tree import Lattice
 from gated_delta import compute_dtype
 from model import Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, rope_cos_sin, run_layer
@@ -275,10 +275,10 @@ class DFlashDrafter(nn.Module):
         path = resolve_checkpoint(path_or_repo, "drafter")
         where = os.path.join(path, "config.json")
         config = DFlashConfig.from_dict(read_json(where), where)
+        check_layer_count(path, config.model.num_hidden_layers, where)
         device = tp.setup(parse_device(device))  # under torchrun: this rank's GPU (the drafter is replicated)
         dtype = parse_dtype(dtype, device)
-        with torch.device("meta"):
-            drafter = cls(config)
+        drafter = on_meta(lambda: cls(config), where)
         load_weights(drafter, path, strip_prefix="", device=device, dtype=dtype)
         drafter.inv_freq = rope_frequencies(config.model, device)[0]
         drafter.path = path

@@ -1,11 +1,13 @@
 """Loading: checkpoint files (a local directory, or a Hub repo fetched once), config.json read and checked field by
-field, safetensors weights streamed one tensor at a time into the requested dtype and device. Nothing here builds
-a module: model.py and drafter.py call in."""
+field, safetensors weights checked from their headers, then streamed one tensor at a time into the requested dtype
+and device. Nothing here defines a module: model.py and drafter.py call in."""
 
+import itertools
 import json
 import math
 import os
 import re
+import reprlib
 
 import torch
 import torch.nn as nn
@@ -64,6 +66,9 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
     sizes = {k: positive(where, d, k) for k in needed}
+    if sizes["num_hidden_layers"] > MAX_LAYERS:  # hybrid_fields and the drafter's attention_kinds list each layer
+        raise ValueError(f"{where}: num_hidden_layers={sizes['num_hidden_layers']} is past {MAX_LAYERS}, beyond any "
+                         f"model")
     if hybrid == "moe":
         sizes["intermediate_size"] = positive(where, d, "intermediate_size", default=1) if \
             d.get("intermediate_size") is not None else 0
@@ -325,13 +330,22 @@ def moe_fields(d: dict, where: str) -> dict:
                 mlp_only_layers=tuple(only))
 
 
+# No checkpoint's size comes near these; past them a config.json is refused before anything is sized by it
+# (a list per layer, a module per layer, a tensor's int64 size).
+MAX_SIZE = 2**31 - 1
+MAX_LAYERS = 2**20
+
+
 def positive(where: str, d: dict, key: str, kind=int, default=None):
-    """d[key] (or `default` when absent) checked to be a positive `kind` (int, or float where ints are fine too)."""
+    """d[key] (or `default` when absent) checked to be a positive `kind` (int, or float where ints are fine too);
+    an int at most MAX_SIZE."""
     value = d.get(key, default)
     ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
     if not ok or not value > 0 or value == float("inf"):
         raise ValueError(f"{where}: {key} must be a positive {'integer' if kind is int else 'number'}, "
                          f"got {value!r}")
+    if kind is int and value > MAX_SIZE:
+        raise ValueError(f"{where}: {key}={reprlib.repr(value)} is past {MAX_SIZE}, beyond any model")
     return kind(value)
 
 
@@ -362,6 +376,10 @@ def read_json(path: str) -> dict:
             value = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # arrays or objects nested deeper than Python's recursion limit
+        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # valid JSON Python will not read, such as an integer of over 4,300 digits
+        raise ValueError(f"{path}: not valid JSON ({str(e).split(';')[0]})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
@@ -474,111 +492,196 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
     read when present and not required; tensors whose file name starts with one of skip_prefixes are not read.
     take(name, stored): what to read of the tensor `name` (prefix stripped) from its safetensors slice (a rank's
     shard under tensor parallel, tp.take); None reads every tensor whole.
+
+    Everything is checked from the files' headers before anything is allocated or read (place_tensors): every
+    shape against what config.json implies, every type floating-point, every tensor the model needs present
+    once, so sizes config.json claims beyond what the files hold allocate nothing.
     """
     files = safetensors_files(path)
-    prefix = layout_prefix(files, (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix),
-                           skip_prefixes)
-    parts = stacked_parts(model)
-    stacked = {name for name, _, _ in parts.values()}
-    # (remove_duplicate=False: a tied lm_head is the embeddings' parameter, and still a tensor the file may hold)
-    wanted = {name: p for name, p in model.named_parameters(remove_duplicate=False) if name not in stacked}
-    wanted.update((name, b) for name, b in model.named_buffers() if name != "inv_freq")
-    params = dict(model.named_parameters())
-    loaded, experts_read, parts_read = {}, {}, set()
+    header = read_header(files, skip_prefixes)
+    prefix = layout_prefix(header, (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix))
+
     def stripped(key):
         return key[len(prefix):] if prefix and key.startswith(prefix) and key != prefix + "lm_head.weight" else key
 
+    places = place_tensors(model, path, header, stripped, optional, take)
+    loaded = {}
     read = None if take is None else (lambda key, stored: take(stripped(key), stored))
     for file in files:
-        for key, t in read_tensors(file, skip_prefixes, read):
-            name = stripped(key)
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name in parts:  # rows [start, stop) of a stacked weight
-                whole, start, stop = parts[name]
-                shape = (stop - start, params[whole].shape[1])
-                check_tensor(file, key, t, shape)
-                if whole not in loaded:
-                    loaded[whole] = torch.empty(params[whole].shape, device=device, dtype=dtype)
-                loaded[whole][start:stop].copy_(t)
-                parts_read.add(name)
-                continue
-            fused = FUSED_GATE_UP.match(name)
-            if fused and f"{fused[1]}.gate_proj" in wanted:  # [E, 2I, H]: gate rows first, then up
-                gate, up = f"{fused[1]}.gate_proj", f"{fused[1]}.up_proj"
-                shape = tuple(wanted[gate].shape)
-                if tuple(t.shape) != (shape[0], 2 * shape[1], shape[2]):
-                    raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
-                                     f"{(shape[0], 2 * shape[1], shape[2])}")
-                loaded[gate], loaded[up] = (h.to(device=device, dtype=dtype) for h in t.split(shape[1], dim=1))
-                continue
-            expert = EXPERT_TENSOR.match(name)
-            if expert:  # layers.{i}.mlp.experts.{e}.{proj}.weight -> slice e of layers.{i}.mlp.experts.{proj}
-                name, index = f"{expert[1]}.{expert[3]}", int(expert[2])
-            if name not in wanted:
-                raise ValueError(f"{file}: unexpected tensor {key!r} (is this the right kind of checkpoint?)")
-            shape = tuple(wanted[name].shape[1:] if expert else wanted[name].shape)
-            if expert and index >= wanted[name].shape[0]:
-                raise ValueError(f"{file}: tensor {key!r} names expert {index}, config.json has "
-                                 f"{wanted[name].shape[0]} experts")
-            check_tensor(file, key, t, shape)
-            if expert:
+        for key, t in read_tensors(file, [k for k in places if header[k][0] == file], read):
+            name, index = places[key]
+            if isinstance(index, tuple):  # rows [start, stop) of a stacked weight
                 if name not in loaded:
-                    loaded[name] = torch.empty(wanted[name].shape, device=device, dtype=dtype)
-                    experts_read[name] = set()
+                    loaded[name] = torch.empty(model.get_parameter(name).shape, device=device, dtype=dtype)
+                loaded[name][index[0]:index[1]].copy_(t)
+            elif index == "gate_up":  # [E, 2I, H]: gate rows first, then up
+                gate, up = f"{name}.gate_proj", f"{name}.up_proj"
+                loaded[gate], loaded[up] = (h.to(device=device, dtype=dtype) for h in t.split(t.shape[1] // 2, dim=1))
+            elif index is not None:  # expert `index` of a stacked expert weight
+                if name not in loaded:
+                    loaded[name] = torch.empty(model.get_parameter(name).shape, device=device, dtype=dtype)
                 loaded[name][index].copy_(t)
-                experts_read[name].add(index)
             else:
                 loaded[name] = t.to(device=device, dtype=dtype)
             del t
-    for name, read in experts_read.items():
-        absent = sorted(set(range(wanted[name].shape[0])) - read)
-        if absent:
-            raise ValueError(f"{path}: checkpoint lacks experts {absent[:8]} of {name} "
-                             f"({len(absent)} of {wanted[name].shape[0]})")
-    missing = sorted((set(wanted) - set(loaded) | set(parts) - parts_read) - set(optional))
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(loaded, strict=False, assign=True)
     # (remove_duplicate=False: a tied lm_head still points at the meta tensor until the caller re-ties it)
     if any(p.is_meta for n, p in model.named_parameters(remove_duplicate=False) if n not in optional):
         raise ValueError(f"{path}: some weights were not loaded")
 
 
-def layout_prefix(files: list[str], prefixes: tuple, skip_prefixes: tuple) -> str:
-    """The first of `prefixes` that some tensor name of the checkpoint starts with ("" when none does)."""
-    keys = [k for file in files for k in tensor_names(file) if not (skip_prefixes and k.startswith(skip_prefixes))]
-    return next((p for p in prefixes if any(k.startswith(p) for k in keys)), "")
+def place_tensors(model: nn.Module, path: str, header: dict, stripped, optional, take) -> dict:
+    """{checkpoint tensor name: (the model's tensor it goes to, where in it)} from the files' headers alone:
+    where is None (the whole tensor), (start, stop) (rows of a stacked weight: stacked_parts), an expert's index
+    (its slice of stacked expert weights) or "gate_up" (a fused experts.gate_up_proj, whose name is then the
+    experts' module). Raises, naming the file and tensor, on a tensor the model has no place for, a shape
+    config.json contradicts, weights that are not floating-point, two tensors for one place, an expert index past
+    the config's, and missing tensors or experts; nothing is allocated."""
+    parts = stacked_parts(model)
+    stacked = {name for name, _, _ in parts.values()}
+    # (remove_duplicate=False: a tied lm_head is the embeddings' parameter, and still a tensor the file may hold)
+    wanted = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False) if name not in stacked}
+    wanted.update((name, b.shape) for name, b in model.named_buffers() if name != "inv_freq")
+    places, given, experts = {}, {}, {}
+    for key, (file, stored_shape, stored_dtype) in header.items():
+        name = stripped(key)
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        place, shape, covers = tensor_place(name, wanted, parts, model)
+        if place is None:
+            raise ValueError(f"{file}: unexpected tensor {key!r} (is this the right kind of checkpoint?)")
+        if isinstance(place[1], int) and place[1] >= wanted[place[0]][0]:
+            raise ValueError(f"{file}: tensor {key!r} names expert {place[1]}, config.json has "
+                             f"{wanted[place[0]][0]} experts")
+        read_shape = stored_shape if take is None else read_shape_of(take, name, stored_shape, file)
+        if tuple(read_shape) != tuple(shape):
+            raise ValueError(f"{file}: tensor {key!r} has shape {tuple(read_shape)}, config.json implies "
+                             f"{tuple(shape)}")
+        if not stored_dtype.startswith(("F", "BF")):  # F64, F32, F16, BF16, F8_*
+            raise ValueError(f"{file}: tensor {key!r} holds {stored_dtype}, not floating-point weights")
+        for c in covers:
+            if c in given:
+                held = c if isinstance(c, str) else f"expert {c[1]} of {c[0]}"
+                raise ValueError(f"{path}: tensors {given[c]!r} and {key!r} both hold {held}")
+            given[c] = key
+        if isinstance(place[1], int):
+            experts.setdefault(place[0], set()).add(place[1])
+        places[key] = place
+    for name, read in experts.items():
+        count = wanted[name][0]
+        if len(read) < count:
+            absent = list(itertools.islice((i for i in range(count) if i not in read), 8))
+            raise ValueError(f"{path}: checkpoint lacks experts {absent} of {name} ({count - len(read)} of {count})")
+    missing = sorted(n for n in (set(wanted) - set(experts)) | set(parts) if n not in given and n not in optional)
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return places
 
 
-def tensor_names(file: str) -> list[str]:
+def tensor_place(name: str, wanted: dict, parts: dict, model: nn.Module) -> tuple:
+    """(place as place_tensors gives it, the shape config.json implies, the names it fills) of the checkpoint
+    tensor `name`, or (None, None, ()) when the model has no place for it."""
+    if name in parts:  # rows [start, stop) of a stacked weight
+        whole, start, stop = parts[name]
+        return (whole, (start, stop)), (stop - start, model.get_parameter(whole).shape[1]), (name,)
+    fused = FUSED_GATE_UP.match(name)
+    if fused and f"{fused[1]}.gate_proj" in wanted:
+        gate, up = f"{fused[1]}.gate_proj", f"{fused[1]}.up_proj"
+        E, inter, hidden = wanted[gate]
+        return (fused[1], "gate_up"), (E, 2 * inter, hidden), (gate, up)
+    expert = EXPERT_TENSOR.match(name)
+    if expert and f"{expert[1]}.{expert[3]}" in wanted:  # slice e of layers.{i}.mlp.experts.{proj}
+        stacked, index = f"{expert[1]}.{expert[3]}", int(expert[2])
+        return (stacked, index), wanted[stacked][1:], ((stacked, index),)
+    if name in wanted:
+        return (name, None), wanted[name], (name,)
+    return None, None, ()
+
+
+class HeaderSlice:
+    """A stored tensor known by its header's shape, sliced as safe_open's get_slice is, on the meta device: the
+    shape `take` reads of it, before anything is read."""
+
+    def __init__(self, shape):
+        self.shape = list(shape)
+
+    def get_shape(self):
+        return self.shape
+
+    def __getitem__(self, index):
+        return torch.empty(self.shape, device="meta")[index]
+
+
+def read_shape_of(take, name: str, shape, file: str) -> tuple:
     try:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError, RuntimeError) as e:
-        raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+        return tuple(take(name, HeaderSlice(shape)).shape)
+    except ValueError as e:  # a shape config.json contradicts, found while slicing
+        raise ValueError(f"{file}: {e}") from None
 
 
-def check_tensor(file: str, key: str, t: torch.Tensor, shape: tuple):
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}")
-    if not t.is_floating_point():
-        raise ValueError(f"{file}: tensor {key!r} holds {t.dtype}, not floating-point weights")
+def layout_prefix(header: dict, prefixes: tuple) -> str:
+    """The first of `prefixes` that some tensor name of the checkpoint starts with ("" when none does)."""
+    return next((p for p in prefixes if any(k.startswith(p) for k in header)), "")
 
 
-EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+def read_header(files: list[str], skip_prefixes: tuple = ()) -> dict:
+    """{tensor name: (file, shape, safetensors dtype name)} of the checkpoint's files, from their headers (no
+    tensor data read), leaving out the names that start with one of skip_prefixes. A name stored twice, or a file
+    that is not valid safetensors (truncated, empty, a corrupt header), is an error naming the file."""
+    header = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if skip_prefixes and key.startswith(skip_prefixes):
+                        continue
+                    if key in header:
+                        raise ValueError(f"{file}: tensor {key!r} is also stored in {header[key][0]}")
+                    stored = f.get_slice(key)
+                    header[key] = (file, stored.get_shape(), stored.get_dtype())
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+    return header
+
+
+def on_meta(build, where: str):
+    """build() on the meta device, where no memory is taken; sizes so large that a tensor's size in bytes passes
+    torch's int64 (each size within MAX_SIZE, their product not) are an error naming the config."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except (RuntimeError, TypeError) as e:
+        if "overflow" not in str(e).lower():
+            raise
+        raise ValueError(f"{where}: its sizes make tensors too large for any machine ({str(e).splitlines()[0][:200]})"
+                         ) from None
+
+
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")
+
+
+def check_layer_count(path: str, layers: int, where: str, skip_prefixes: tuple = ()):
+    """config.json's num_hidden_layers against the layers the weights hold (the distinct layers.{i}. of their
+    tensor names, from the headers): a module is built per claimed layer before the weights are read, so a claim
+    past the files is refused first."""
+    files = safetensors_files(path)
+    held = {m[1] for key in read_header(files, skip_prefixes) if (m := LAYER_INDEX.search(key))}
+    if layers > len(held):
+        holder = os.path.basename(files[0]) if len(files) == 1 else "the shards of model.safetensors.index.json"
+        raise ValueError(f"{where}: num_hidden_layers={layers}, but {holder} holds {len(held)} layers")
+
+
+EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d{1,18})\.(gate_proj|up_proj|down_proj)\.weight$")
 FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
 
 
-def read_tensors(file: str, skip_prefixes: tuple = (), take=None):
-    """(name, tensor) pairs of one safetensors file, one tensor at a time, leaving unread the tensors whose names
-    start with one of skip_prefixes; a file that is not valid safetensors (truncated, empty, a corrupt header) is
-    an error naming it. take(name, stored): the part to read of each tensor from its slice (whole when None)."""
+def read_tensors(file: str, keys: list[str], take=None):
+    """(name, tensor) pairs of one safetensors file for the names `keys`, one tensor at a time; a file that is
+    not valid safetensors is an error naming it. take(name, stored): the part to read of each tensor from its
+    slice (whole when None)."""
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if skip_prefixes and key.startswith(skip_prefixes):
-                    continue
+            for key in keys:
                 if take is None:
                     yield key, f.get_tensor(key)
                     continue
@@ -624,15 +727,18 @@ def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
     def value(key, default=None):
         return dflash.get(key, d.get(key, default))
 
-    attention = attention_kinds(d, where)
     rest = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "use_sliding_window",
                                                     "is_causal")}
-    model = config_fields(rest, where, moe=False)
+    model = config_fields(rest, where, moe=False)  # first: its layer count is checked before attention_kinds
+    attention = attention_kinds(d, where)
     for key in ("block_size", "num_target_layers", "mask_token_id"):
         if not isinstance(value(key), int) or isinstance(value(key), bool):
             raise ValueError(f"{where}: {key} must be an integer, got {value(key)!r}")
     if value("block_size") < 2:
         raise ValueError(f"{where}: block_size must be >= 2, got {value('block_size')}")
+    if value("block_size") > model["max_position_embeddings"]:  # the block's rows are positions: none would fit
+        raise ValueError(f"{where}: block_size={reprlib.repr(value('block_size'))} is past max_position_embeddings="
+                         f"{model['max_position_embeddings']}")
     ids = value("target_layer_ids") or default_target_layer_ids(value("num_target_layers"),
                                                                 model["num_hidden_layers"])
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from gated_delta import GatedDeltaNet, Recurrent, ZeroCenteredRMSNorm, commit_tree, compute_dtype
-from loading import (check_qwen3_config, checkpoint_prefixes, config_fields, defaulted_note, eos_ids_of,
-                     load_weights, parse_device, parse_dtype, read_json, resolve_checkpoint, text_config)
+from loading import (check_layer_count, check_qwen3_config, checkpoint_prefixes, config_fields, defaulted_note,
+                     eos_ids_of, load_weights, on_meta, parse_device, parse_dtype, read_json, resolve_checkpoint,
+                     text_config)
 from moe import SparseMoE
 from rope import rope_frequencies
 import tp
@@ -446,10 +447,10 @@ class Qwen3(nn.Module):
         check_qwen3_config(raw, where)
         config = Qwen3Config.from_dict(raw, where)
         strip, skip_prefixes = checkpoint_prefixes(raw)
+        check_layer_count(path, config.num_hidden_layers, where, skip_prefixes)
         device = tp.setup(parse_device(device))
         dtype = parse_dtype(dtype, device)
-        with torch.device("meta"):
-            model = cls(config)
+        model = on_meta(lambda: cls(config), where)
         # launched by torchrun: this rank's shard, read as slices (tp.py)
         take = functools.partial(tp.take, tp.shard(model)) if tp.enabled() else None
         optional = {"lm_head.weight"} if config.tie_word_embeddings else set()

@@ -160,6 +160,23 @@ def test_missing_or_misshapen_experts_are_clear_errors(checkpoints, tmp_path):
             Qwen3.from_pretrained(str(broken), device="cpu")
 
 
+@pytest.mark.parametrize("layout", ["v5_step1", "mha_sharded"])
+def test_more_experts_than_the_files_hold_allocate_nothing(checkpoints, tmp_path, layout):
+    """The stacked expert weights are sized by config.json: a count past the files' is refused from their headers
+    before they are allocated."""
+    _, path = checkpoints[layout]
+    broken = tmp_path / "b"
+    broken.mkdir()
+    for f in os.listdir(path):
+        os.symlink(os.path.join(path, f), broken / f)
+    c = json.load(open(os.path.join(path, "config.json")))
+    c["num_experts" if "num_experts" in c else "num_local_experts"] = 2**30
+    os.remove(broken / "config.json")
+    (broken / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="has shape"):
+        Qwen3.from_pretrained(str(broken), device="cpu")
+
+
 # ---- the engine on a MoE target --------------------------------------------------------------------------------
 
 

@@ -429,6 +429,21 @@ CORRUPTIONS = {
     "wrong shape": (lambda p: edit_tensors(p, lambda w: w.update({"model.norm.weight": torch.ones(3)})), "shape"),
     "missing tensor": (lambda p: edit_tensors(p, lambda w: w.pop("model.norm.weight")), "lacks"),
     "no weights": (lambda p: os.remove(p / "model.safetensors"), "no model.safetensors"),
+    # hostile files: refused from what the files hold before anything is allocated or built
+    "config nested 100000 deep": (lambda p: (p / "config.json").write_text('{"x": ' + "[" * 100000 + "]" * 100000 +
+                                                                          "}"), "config.json: not valid JSON"),
+    "config a 5000-digit integer": (lambda p: (p / "config.json").write_text('{"hidden_size": ' + "9" * 5000 + "}"),
+                                    "config.json: not valid JSON"),
+    "generation_config nested": (lambda p: (p / "generation_config.json").write_text("[" * 100000 + "]" * 100000),
+                                 "generation_config.json: not valid JSON"),
+    "layers past the weights": (lambda p: edit_config(p, lambda c: c.update(num_hidden_layers=1000000)),
+                                r"config.json: num_hidden_layers=1000000, but model.safetensors holds 3 layers"),
+    "heads past the weights": (lambda p: edit_config(p, lambda c: c.update(num_attention_heads=2**30)),
+                               "self_attn.o_proj.weight' has shape"),
+    "heads past any model": (lambda p: edit_config(p, lambda c: c.update(num_attention_heads=2**40)),
+                             "config.json: num_attention_heads=1099511627776 is past"),
+    "sizes past int64": (lambda p: edit_config(p, lambda c: c.update(num_attention_heads=2**30, head_dim=2**30)),
+                         "config.json: its sizes make tensors too large"),
 }
 
 
@@ -447,11 +462,31 @@ def test_corrupt_checkpoints_are_one_clear_error(files, tmp_path, name):
         Qwen3.from_pretrained(str(path), device="cpu")
 
 
+def stored_twice(path):
+    """The second shard also holds a tensor of the first (zeroed): which one counts would be the reading order's."""
+    first, second = (str(path / f"model-0000{i}-of-00002.safetensors") for i in (1, 2))
+    name, tensor = next(iter(load_file(first).items()))
+    save_file({**load_file(second), name: torch.zeros_like(tensor)}, second)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(num_hidden_layers=1000000), "config.json: num_hidden_layers=1000000, but model.safetensors holds 2 layers"),
+    (dict(block_size=10**9), "config.json: block_size=1000000000 is past max_position_embeddings=4096"),
+])
+def test_drafter_sizes_past_its_files_or_positions_are_refused(files, tmp_path, edit, message):
+    path = tmp_path / "d"
+    shutil.copytree(files["draft"], path)
+    edit_config(path, lambda c: c.update(edit))
+    with pytest.raises(ValueError, match=message):
+        DFlashDrafter.from_pretrained(str(path), device="cpu")
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (lambda p: os.remove(p / "model-00002-of-00002.safetensors"), "which is missing"),
     (lambda p: (p / "model.safetensors.index.json").write_text('{"metadata": {}}'), "no weight_map"),
     (lambda p: (p / "model.safetensors.index.json").write_text("{"), "not valid JSON"),
     (lambda p: (p / "model-00001-of-00002.safetensors").write_bytes(b"\x00" * 8), "not a readable"),
+    (lambda p: stored_twice(p), "is also stored in"),
 ])
 def test_corrupt_shards_are_one_clear_error(files, tmp_path, corrupt, message):
     path = sharded_target(files, tmp_path)
@@ -561,7 +596,9 @@ def test_cli_broken_tokenizer_or_template_is_one_line(text_copy, corrupt, messag
     assert_one_error_line(*cli(*args)[::2], message)
 
 
-@pytest.mark.parametrize("name", ["config not JSON", "hidden_size a string", "garbage safetensors", "int32 weights"])
+@pytest.mark.parametrize("name", ["config not JSON", "hidden_size a string", "garbage safetensors", "int32 weights",
+                                  "config nested 100000 deep", "config a 5000-digit integer",
+                                  "layers past the weights", "heads past the weights"])
 def test_cli_corrupt_checkpoint_is_one_line(files, tmp_path, name):
     corrupt, message = CORRUPTIONS[name]
     path = copy_target(files, tmp_path)
