@@ -439,6 +439,8 @@ def safetensors_files(path: str) -> list[str]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError(f"{index}: no weight_map of tensor names to shard files")
+        for name in sorted(set(weight_map.values())):
+            check_inside(name, index)
         shards = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
         for shard in shards:
             if not os.path.isfile(shard):
@@ -449,6 +451,16 @@ def safetensors_files(path: str) -> list[str]:
     if os.path.isfile(single):
         return [single]
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors is loaded)")
+
+
+def check_inside(name: str, index: str):
+    """A shard file the index names must lie in the checkpoint's directory (or below it), as the Hub lays shards
+    out: an absolute path or one through `..` would load weights from anywhere. The name is judged, not where
+    it resolves to: a file inside that is a symlink (the Hub's cache links each file to its blob) stays allowed."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or "\0" in name or os.path.isabs(name) or ".." in parts or os.path.splitdrive(name)[0]:
+        raise ValueError(f"{index}: weight_map names {name!r}, which is not a file inside the checkpoint's "
+                         f"directory")
 
 
 def stacked_parts(model: nn.Module) -> dict:

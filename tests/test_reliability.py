@@ -496,6 +496,48 @@ def test_corrupt_shards_are_one_clear_error(files, tmp_path, corrupt, message):
         Qwen3.from_pretrained(str(path), device="cpu")
 
 
+def index_pointing(path, shard: str, to: str):
+    """The index of a sharded target with `shard`'s entries naming `to` instead."""
+    file = path / "model.safetensors.index.json"
+    index = json.loads(file.read_text())
+    index["weight_map"] = {k: to if v == shard else v for k, v in index["weight_map"].items()}
+    file.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("outside", ["absolute", "parent", "parent inside", "backslashes"])
+def test_an_index_naming_files_outside_its_directory_is_refused(files, tmp_path, outside):
+    """A weight_map entry that leaves the checkpoint's directory is refused, even where the file it names is a
+    valid shard."""
+    path = sharded_target(files, tmp_path)
+    shard = "model-00002-of-00002.safetensors"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(path / shard, elsewhere / shard)
+    to = {"absolute": str(elsewhere / shard), "parent": f"../elsewhere/{shard}",
+          "parent inside": f"sub/../../elsewhere/{shard}", "backslashes": f"..\\elsewhere\\{shard}"}[outside]
+    index_pointing(path, shard, to)
+    with pytest.raises(ValueError, match="model.safetensors.index.json: weight_map names .*, which is not a file "
+                                         "inside the checkpoint's directory"):
+        Qwen3.from_pretrained(str(path), device="cpu")
+
+
+def test_shards_linked_from_elsewhere_and_in_subdirectories_load(files, tmp_path):
+    """The Hub's cache links each file of a snapshot to a blob outside it: the index's names are judged, not where
+    they resolve to; a name below the directory is inside it."""
+    path = sharded_target(files, tmp_path)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for i, shard in enumerate(("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")):
+        shutil.move(path / shard, blobs / f"blob{i}")
+        os.symlink(blobs / f"blob{i}", path / shard)
+    (path / "sub").mkdir()
+    os.rename(path / "model-00002-of-00002.safetensors", path / "sub" / "model-00002-of-00002.safetensors")
+    index_pointing(path, "model-00002-of-00002.safetensors", "sub/model-00002-of-00002.safetensors")
+    target = Qwen3.from_pretrained(str(path), device="cpu")
+    whole = Qwen3.from_pretrained(files["target"], device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), whole.state_dict().values()))
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_truncated_or_flipped_weights_never_escape_as_another_error(files, tmp_path_factory, data):
