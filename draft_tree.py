@@ -312,8 +312,8 @@ def walk_lattice(lattice: Lattice, length: int, vocab: int, temperature: float =
     """The selector's chain over the first `length` positions: from the anchor, each position's candidate after
     the one before, the argmax of its scores (temperature 0; the first of equal scores) or a draw from
     softmax(scores / temperature) with one uniform of noise [N, length] per position (sampler.sample).
-    Returns (tokens [N, length], q [N, length, V]: the law each draft was drawn from, over the vocabulary, for the
-    min(1, p/q) rule; None when greedy), V being `vocab`."""
+    Returns (tokens [N, length], q [N, length, V]: the law each draft was drawn from, over the vocabulary, in the
+    scores' dtype, for the min(1, p/q) rule; None when greedy), V being `vocab`."""
     n = lattice.tokens.shape[0]
     state = torch.zeros(n, 1, dtype=torch.int64, device=lattice.tokens.device)
     tokens, laws = [], []
@@ -322,7 +322,7 @@ def walk_lattice(lattice: Lattice, length: int, vocab: int, temperature: float =
         if temperature > 0:
             law = torch.softmax(scores / temperature, dim=-1)
             state = sample(law, noise[:, d])[:, None]
-            laws.append(torch.zeros(n, vocab, device=law.device).scatter(-1, lattice.tokens[:, d], law))
+            laws.append(law.new_zeros(n, vocab).scatter(-1, lattice.tokens[:, d], law))  # the scores' dtype
         else:
             state = scores.argmax(-1, keepdim=True)
         tokens.append(lattice.tokens[:, d].gather(1, state))

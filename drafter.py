@@ -123,7 +123,8 @@ class DFlash2Block(Block):
 class CandidateSelector(nn.Module):
     """DFlash 2's selector: the drafter's top-K tokens at each draft position, each scored by its logit plus a
     low-rank term coupling it to the token before it, (P[prev] * W h) . S[token], with P, S the predecessor and
-    successor codebooks (stored without `.weight`) and h the drafter's output at the position."""
+    successor codebooks (published without `.weight`: CODEBOOK_ALIASES) and h the drafter's output at the
+    position."""
 
     def __init__(self, vocab: int, hidden: int, rank: int, top_k: int):
         super().__init__()
@@ -150,6 +151,12 @@ class CandidateSelector(nn.Module):
         pred = self.predecessor_codebook[before].to(f) * h  # [..., P, r]
         succ = self.successor_codebook[tokens].to(f)  # [..., K, r]
         return unary[..., None, :] + pred @ succ.transpose(-1, -2)
+
+
+# z-lab publishes the codebooks without `.weight`, and its package's save_pretrained writes them with it (its
+# modules are nn.Embeddings); the package reads both, and so do we.
+CODEBOOK_ALIASES = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
+                    for name in ("predecessor_codebook", "successor_codebook")}
 
 
 class DFlashDrafter(nn.Module):
@@ -279,7 +286,7 @@ class DFlashDrafter(nn.Module):
         device = tp.setup(parse_device(device))  # under torchrun: this rank's GPU (the drafter is replicated)
         dtype = parse_dtype(dtype, device)
         drafter = on_meta(lambda: cls(config), where)
-        load_weights(drafter, path, strip_prefix="", device=device, dtype=dtype)
+        load_weights(drafter, path, strip_prefix="", device=device, dtype=dtype, aliases=CODEBOOK_ALIASES)
         drafter.inv_freq = rope_frequencies(config.model, device)[0]
         drafter.path = path
         return drafter.eval()

@@ -490,7 +490,7 @@ def checkpoint_tensors(model: nn.Module) -> dict:
 
 
 def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device, dtype, optional=frozenset(),
-                 skip_prefixes: tuple = (), take=None):
+                 skip_prefixes: tuple = (), take=None, aliases=None):
     """Stream every tensor from the safetensors files straight into `dtype` on `device`.
 
     The model was built on the meta device, so the only host copies are one tensor at a time: an 8B bf16
@@ -503,7 +503,8 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
     unexpected tensors, as transformers finds them); `lm_head.weight` is read unprefixed only. optional: names
     read when present and not required; tensors whose file name starts with one of skip_prefixes are not read.
     take(name, stored): what to read of the tensor `name` (prefix stripped) from its safetensors slice (a rank's
-    shard under tensor parallel, tp.take); None reads every tensor whole.
+    shard under tensor parallel, tp.take); None reads every tensor whole. aliases: {a name the file may store a
+    tensor under: the model's name for it}.
 
     Everything is checked from the files' headers before anything is allocated or read (place_tensors): every
     shape against what config.json implies, every type floating-point, every tensor the model needs present
@@ -514,7 +515,8 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
     prefix = layout_prefix(header, (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix))
 
     def stripped(key):
-        return key[len(prefix):] if prefix and key.startswith(prefix) and key != prefix + "lm_head.weight" else key
+        name = key[len(prefix):] if prefix and key.startswith(prefix) and key != prefix + "lm_head.weight" else key
+        return (aliases or {}).get(name, name)
 
     places = place_tensors(model, path, header, stripped, optional, take)
     loaded = {}
@@ -772,6 +774,9 @@ def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
         if model["hidden_size"] % two["conv_group_size"]:
             raise ValueError(f"{where}: hidden_size={model['hidden_size']} is not a multiple of conv_group_size="
                              f"{two['conv_group_size']}")
+        if two["conv_kernel_size"] > value("block_size") + 1:  # its taps reach back over the block's rows only
+            raise ValueError(f"{where}: conv_kernel_size={two['conv_kernel_size']} is larger than block_size + 1 = "
+                             f"{value('block_size') + 1} (a tap past the block's first row)")
     return dict(model=model, block_size=value("block_size"), num_target_layers=value("num_target_layers"),
                 target_layer_ids=list(ids), mask_token_id=value("mask_token_id"), attention=attention,
                 output_multiplier=float(scales["output_multiplier"]),

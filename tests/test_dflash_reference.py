@@ -51,8 +51,9 @@ def target(tmp_path_factory):
     return hf, Qwen3.from_pretrained(path, device="cpu", dtype=torch.float64)
 
 
-def reference_drafter(path: str, two: bool, seed: int, **extra):
-    """The reference's drafter class, random, saved as z-lab publishes it (DFlash 2's codebooks without .weight)."""
+def reference_drafter(path: str, two: bool, seed: int, published: bool = True, **extra):
+    """The reference's drafter class, random, saved as z-lab publishes it (DFlash 2's codebooks without .weight),
+    or (published=False) as its save_pretrained writes it."""
     fields = dict(mask_token_id=VOCAB - 1, target_layer_ids=[1, 2], block_size=BLOCK, **(DFLASH2 if two else {}))
     config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=40, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -68,8 +69,9 @@ def reference_drafter(path: str, two: bool, seed: int, **extra):
                     conv.base_kernel.normal_(0, 0.3)
     model.save_pretrained(path)
     file = os.path.join(path, "model.safetensors")
-    weights = {k.removesuffix(".weight") if "codebook" in k else k: v for k, v in load_file(file).items()}
-    save_file(weights, file, metadata={"format": "pt"})
+    if published:
+        weights = {k.removesuffix(".weight") if "codebook" in k else k: v for k, v in load_file(file).items()}
+        save_file(weights, file, metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["architectures"] == [cls.__name__]
     return model
@@ -100,6 +102,22 @@ def test_dflash2_codebooks_load_from_their_published_names(pair):
         pytest.skip("DFlash 1 has no selector")
     assert torch.equal(ours.candidate_selector.predecessor_codebook,
                        ref.candidate_selector.predecessor_codebook.weight)
+
+
+def test_dflash2_codebooks_load_as_the_package_saves_them(tmp_path):
+    """The package's save_pretrained writes the codebooks with `.weight` and its from_pretrained reads both names:
+    so do we; a file holding a codebook under both names is refused."""
+    ref = reference_drafter(str(tmp_path), True, seed=1, published=False)
+    file = os.path.join(tmp_path, "model.safetensors")
+    assert "candidate_selector.successor_codebook.weight" in load_file(file)
+    ours = DFlashDrafter.from_pretrained(str(tmp_path), device="cpu", dtype=torch.float64)
+    for name in ("predecessor_codebook", "successor_codebook"):
+        assert torch.equal(getattr(ours.candidate_selector, name), getattr(ref.candidate_selector, name).weight)
+    weights = load_file(file)
+    weights["candidate_selector.successor_codebook"] = weights["candidate_selector.successor_codebook.weight"].clone()
+    save_file(weights, file)
+    with pytest.raises(ValueError, match="both hold candidate_selector.successor_codebook"):
+        DFlashDrafter.from_pretrained(str(tmp_path), device="cpu")
 
 
 def block_outputs(ref, ours, target, context_len=9, seed=2):

@@ -147,3 +147,40 @@ def test_dflash2_round_traces_whole(models, monkeypatch):
             outs.append(round_fn(engine.requests.token, engine.requests.position, *engine.randomness()))
     for a, b in zip(outs[0][:4], outs[1][:4]):
         assert torch.equal(a, b)
+
+
+def test_dflash2_kernel_reaching_past_the_block_is_refused_at_load(random_pair_files, models, tmp_path):
+    """A convolution's taps reach back over the block's rows only: conv_kernel_size up to block_size + 1 runs
+    (the last tap meets only the zeros before the block; greedy dflash then gives ar's tokens), one more is
+    refused when the drafter loads, not in its first round."""
+    target = models[0]
+    prompt = random_prompts(1, VOCAB, 12, seed=5)[0]
+    for kernel in (7, 8):  # block_size 6
+        draft = str(tmp_path / f"kernel{kernel}")
+        write_drafter(draft, pair_config(), block_size=6, seed=4,
+                      dflash2=dict(DFLASH2, conv_kernel_size=kernel, selector_top_k=4))
+        if kernel == 8:
+            with pytest.raises(ValueError, match=r"config.json: conv_kernel_size=8 is larger than block_size \+ 1"):
+                DFlashDrafter.from_pretrained(draft, device="cpu")
+            continue
+        drafter = DFlashDrafter.from_pretrained(draft, device="cpu").bind(target)
+        ar = greedy(target, None, prompt, method="ar", max_new_tokens=12).tokens
+        assert greedy(target, drafter, prompt, method="dflash", max_new_tokens=12).tokens == ar
+
+
+def test_dflash2_sampled_chain_in_float64(random_pair_files, models):
+    """Drafts drawn from the selector's laws in a float64 engine: q is kept in the scores' dtype (a float32
+    buffer failed to take it), and a batch's requests equal their lone runs."""
+    target = Qwen3.from_pretrained(random_pair_files["target"], device="cpu", dtype=torch.float64)
+    drafter = DFlashDrafter.from_pretrained(models[1].path, device="cpu", dtype=torch.float64).bind(target)
+    gen = torch.Generator().manual_seed(0)
+    tokens, scores = random_lattice(gen, 2, 3, 4, V=VOCAB)
+    lattice = dt.Lattice(tokens, scores.double())
+    tokens, q = dt.walk_lattice(lattice, 3, VOCAB, temperature=0.7, noise=torch.rand(2, 3, generator=gen))
+    assert q.dtype == torch.float64 and torch.allclose(q.sum(-1), torch.ones(2, 3, dtype=torch.float64))
+    assert torch.all(q.gather(-1, tokens[..., None]) > 0)
+    prompts = random_prompts(2, VOCAB, 12, seed=6)
+    kw = dict(method="dflash", temperature=0.9, max_new_tokens=12, stop_ids=[], **grouped(dict(draft_sampling=True)))
+    batch = generate_batch(target, drafter, prompts, seeds=[1, 2], **kw)
+    assert [r.tokens for r in batch] == [generate(target, drafter, p, seed=s, **kw).tokens
+                                         for p, s in zip(prompts, (1, 2))]
