@@ -8,6 +8,7 @@ import math
 import os
 import re
 import reprlib
+import warnings
 
 import torch
 import torch.nn as nn
@@ -708,17 +709,24 @@ def read_tensors(file: str, keys: list[str], take=None):
         raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
 
 
-def eos_ids_of(path: str, config: dict) -> list[int]:
-    """End-of-sequence ids: generation_config.json first (Qwen3 lists <|im_end|> and <|endoftext|>), then config."""
+def eos_ids_of(path: str, config: dict, vocab: int) -> list[int]:
+    """End-of-sequence ids: generation_config.json first (Qwen3 lists <|im_end|> and <|endoftext|>), then config.
+    An id the target cannot produce (not below vocab) could never stop a run: it is left out, with a warning
+    naming the file (a stop id past the vocabulary given to generate() is an error instead)."""
+    generation = os.path.join(path, "generation_config.json")
     ids = []
-    for source in (os.path.join(path, "generation_config.json"), None):
-        d = read_json(source) if source and os.path.isfile(source) else (config if source is None else {})
+    for source, d in ((generation, read_json(generation) if os.path.isfile(generation) else {}),
+                      (os.path.join(path, "config.json"), config)):
         eos = d.get("eos_token_id")
         eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
-            raise ValueError(f"{source or os.path.join(path, 'config.json')}: eos_token_id must be a token id or a "
-                             f"list of them, got {d.get('eos_token_id')!r}")
-        ids += eos
+            raise ValueError(f"{source}: eos_token_id must be a token id or a list of them, got "
+                             f"{reprlib.repr(d.get('eos_token_id'))}")
+        outside = [i for i in eos if i >= vocab]
+        if outside:
+            warnings.warn(f"{source}: eos_token_id {reprlib.repr(outside)} not below vocab_size {vocab} (the target "
+                          f"never produces such a token): left out of the stop ids")
+        ids += [i for i in eos if i < vocab]
     return list(dict.fromkeys(ids))
 
 

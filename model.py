@@ -464,6 +464,6 @@ class Qwen3(nn.Module):
         if config.tie_word_embeddings:
             tie_or_keep_head(model, path)
         model.inv_freq = rope_frequencies(config, device)[0]
-        model.eos_ids = eos_ids_of(path, text_config(raw, where)[0])
+        model.eos_ids = eos_ids_of(path, text_config(raw, where)[0], config.vocab_size)
         model.path = path
         return model.eval()

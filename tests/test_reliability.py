@@ -559,6 +559,25 @@ def test_truncated_or_flipped_weights_never_escape_as_another_error(files, tmp_p
             assert str(e)
 
 
+@pytest.mark.parametrize("file, eos", [("generation_config.json", 10**30), ("generation_config.json", [1, VOCAB]),
+                                       ("config.json", VOCAB + 7)])
+def test_stop_ids_the_target_cannot_produce_are_left_out_with_a_warning(files, tmp_path, file, eos):
+    path = copy_target(files, tmp_path)
+    edit = json.loads((path / file).read_text())
+    edit["eos_token_id"] = eos
+    (path / file).write_text(json.dumps(edit))
+    with pytest.warns(UserWarning, match=f"{file}: eos_token_id .* not below vocab_size {VOCAB} .*left out"):
+        target = Qwen3.from_pretrained(str(path), device="cpu")
+    assert target.eos_ids and all(i < VOCAB for i in target.eos_ids)
+    assert len(generate(target, None, [2, 3], method="ar", max_new_tokens=3).tokens) <= 3
+
+
+def test_cli_warns_of_a_stop_id_the_target_cannot_produce(text_copy):
+    (text_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**30}))
+    code, out, err = cli("--target", str(text_copy), "--method", "ar", "--prompt", "hi", "--max-new-tokens", "3")
+    assert code == 0 and err.startswith("warning: ") and "generation_config.json: eos_token_id" in err, err
+
+
 def test_meta_and_unknown_devices_are_refused(files):
     for device in ("meta", "nonsense", "cuda:99" if not torch.cuda.is_available() else "meta"):
         with pytest.raises(ValueError, match="is not usable here"):
