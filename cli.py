@@ -148,7 +148,8 @@ def run_cli(args) -> int:
     chat = args.chat if args.chat is not None else bool(text.chat_template)
     if chat and not text.chat_template:
         raise ValueError(f"{args.target}: --chat asked for, but the checkpoint has no chat template")
-    prompts = [text.encode(text.render_chat(r.prompt) if chat else r.prompt) for r in requests]
+    given = [r.prompt for r in requests]
+    prompts = [text.encode(p) for p in (text.render_chats(given) if chat else given)]
     for request, prompt in zip(requests, prompts):
         if not prompt:
             raise ValueError(f"{located(args, request)}the prompt is empty")

@@ -657,6 +657,39 @@ def test_cli_broken_tokenizer_or_template_is_one_line(text_copy, corrupt, messag
     assert_one_error_line(*cli(*args)[::2], message)
 
 
+# Chat templates are the checkpoint's code: each of these ends, in bounded time and memory, as one error naming the
+# template's file (render_chats' child process: a wall clock, an address-space limit, a bound on what is rendered).
+HOSTILE_TEMPLATES = {  # (template, what the error says: a regex)
+    "loops under the range limit": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                    "{% endfor %}", "did not finish rendering in 2.02 s"),
+    "a long repetition": ("{{ 'x' * 100000000 }}", "repeats a sequence of 1 100000000 times"),
+    "a long rendering": ("{{ '{:>100000000}'.format('x') }}", "it rendered 100000000 characters"),
+    # (past the memory limit within a second or two: under load, the clock may stop it first)
+    "doubling a string": ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                          "{% endfor %}{{ ns.s|length }}", "it took more than 1024 MiB|did not finish rendering"),
+    "a range past the sandbox's": ("{% for i in range(10**9) %}{% endfor %}", r"OverflowError: Range too big"),
+    "a recursive macro": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    "its own exception": ("{{ raise_exception('only user turns') }}", r"\(it raised: only user turns\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_TEMPLATES))
+def test_hostile_chat_templates_end_as_one_error_naming_the_file(text_copy, monkeypatch, name):
+    import text
+    monkeypatch.setattr(text, "RENDER_SECONDS", 2.0)
+    template, message = HOSTILE_TEMPLATES[name]
+    (text_copy / "chat_template.jinja").write_text(template)
+    with pytest.raises(ValueError, match=f"chat_template.jinja: the chat template .*({message})"):
+        text.Text(str(text_copy)).render_chats(["hi", "there"])
+
+
+def test_cli_hostile_chat_template_is_one_line(text_copy):
+    (text_copy / "tokenizer_config.json").write_text(json.dumps({"chat_template": HOSTILE_TEMPLATES[
+        "a long repetition"][0]}))
+    args = ["--target", str(text_copy), "--method", "ar", "--prompt", "hi", "--max-new-tokens", "4"]
+    assert_one_error_line(*cli(*args)[::2], "tokenizer_config.json: the chat template failed to render")
+
+
 @pytest.mark.parametrize("name", ["config not JSON", "hidden_size a string", "garbage safetensors", "int32 weights",
                                   "config nested 100000 deep", "config a 5000-digit integer",
                                   "layers past the weights", "heads past the weights"])
