@@ -38,9 +38,7 @@ from dataclasses import asdict, replace
 import torch
 
 import tp
-from rope import position_limit
 from settings import AUTO_BUDGETS, Speculation
-from tree_attn import round_up
 
 PROBE_SHARE = 0.05  # probe rounds take at most this share of a run's time (after its first round, a probe)
 EMA_ROUNDS = 16  # an estimate averages about this many recent observations
@@ -198,11 +196,10 @@ def calibrate(engines: dict, block_size: int, prompt_len: int) -> dict:
     return costs
 
 
-def auto_budgets(prompt_len: int, max_new_tokens: int, target) -> tuple:
-    """The tree sizes whose verify fits the cache for these requests (settings.check_request made sure the smallest
-    does)."""
-    room = round_up(position_limit(target.config)[0]) - prompt_len - max_new_tokens - 1
-    return tuple(b for b in AUTO_BUDGETS if b <= room)
+def auto_budgets() -> tuple:
+    """The tree sizes budget auto chooses among: AUTO_BUDGETS, whatever the request (a round near the position limit
+    drafts fewer rows, so every verify fits)."""
+    return AUTO_BUDGETS
 
 
 def auto_candidates(target, drafter, spec, budgets) -> dict:

@@ -44,6 +44,7 @@ from draft_tree import (Lattice, ancestor_matrix, build_lattice_tree, build_latt
 from drafter import DFlashDrafter
 from gated_delta import Recurrent
 from model import Qwen3
+from rope import position_limit
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
 from settings import Speculation, check_models, check_request, check_settings, verify_rows
 from tree_attn import PrefixMask, compact_kv, round_up
@@ -122,7 +123,7 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
                                              spec, compile, on_tokens, max_batch, on_result)
 
         def engine_for(longest: int, batch_size: int):  # for a wave whose longest prompt has this length
-            budgets = auto_budgets(longest, max_new_tokens, target) if spec.budget == "auto" else ()
+            budgets = auto_budgets() if spec.budget == "auto" else ()
             length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets, target.device.type)
             return get_engine(target, drafter, method, sampling, spec, length, compile, batch_size, budgets)
 
@@ -132,6 +133,25 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     if any(r.error is not None for r in results):
         raise RequestsFailed(results)
     return results
+
+
+def beyond_room(logq: torch.Tensor, room: torch.Tensor | None) -> torch.Tensor:
+    """Draft log-laws [N, D, ...] with every depth past the room [N] at probability 0: the best tree of any budget
+    then holds every prefix within the room before any past it (draft_tree.py, "Order": -inf scores come last, and
+    among them the shallower first), so its nodes within the room are the best tree the room allows."""
+    if room is None:
+        return logq
+    past = torch.arange(1, logq.shape[1] + 1, device=logq.device) > room[:, None]
+    return logq.masked_fill(past.view(*past.shape, *[1] * (logq.dim() - 2)), float("-inf"))
+
+
+def within_room(tokens, parents, depths, room):
+    """A tree's (or chain's) nodes [N, B] deeper than the room [N] made padding (token 0, parent -1, depth 0): their
+    positions would lie past the limit. The nodes kept are closed under parents: each one's ancestors are shallower."""
+    if room is None:
+        return tokens, parents, depths
+    kept = depths <= room[:, None]
+    return torch.where(kept, tokens, 0), torch.where(kept, parents, -1), torch.where(kept, depths, 0)
 
 
 def host_read(**parts) -> list[dict]:
@@ -223,7 +243,11 @@ class Engine:
             self.draft_masks = {kind: PrefixMask(drafter.block_size, max_seq_len, self.device, batch, *kind,
                                                  context=spec.draft_window)
                                 for kind in drafter.config.mask_kinds}
+            self.block_allow = {kind: mask.allow.clone() for kind, mask in self.draft_masks.items()}
             self.verify_mask = PrefixMask(self.tree_size + 1, max_seq_len, self.device, batch)
+            # The last RoPE position a request may reach (rope.position_limit): a round near it drafts only the
+            # positions left, as z-lab's loop shortens its last blocks, so that every method reaches the limit.
+            self.last_position = position_limit(target.config)[0] - 1
         if method == "ar":
             self.round = self.decode  # plain decoding's round
         self.warm = not compile
@@ -291,61 +315,74 @@ class Engine:
         the deepest the tree can go; valid up to `length`), length [N], the next bonus [N], whether each request's
         logits and draws were sound (Engine.pick), the trees with show_tree, and for budget auto what smaller
         budgets and the chain would have accepted (budget.tally)."""
+        # The deepest a node may lie [N]: its position start + depth must not pass the limit.
+        room = self.last_position - start
         # 1. Draft: one drafter pass over [bonus, MASK x L] -> per-position logits [N, D, V] (D <= L).
         draft_logits = self.draft(bonus, start)
-        # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash).
-        tokens, parents, depths, q = self.propose(draft_logits, draft_noise)
+        # 2. Tree: the budget's most probable prefixes (ddtree) or the drafter's chain (dflash), within the room.
+        tokens, parents, depths, q = self.propose(draft_logits, draft_noise, room)
         # 3. Verify: [bonus, nodes...] at positions start + depth, each row seeing the prefix and its ancestors
         # (recurrent layers: each row continues the committed state along its own path; docs/recurrent_tree.md).
         rows, positions, logits, features, recurrent = self.verify(bonus, tokens, parents, depths, start)
         # 4. Accept: the longest path the target's own choices follow, and the target's next token after it.
-        path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u)
+        path, length, next_token, ok = self.accept(logits, tokens, parents, q, noise, accept_u, room)
         # 5. Commit: the path's K/V to contiguous slots after the prefix (recurrent layers: the state at its end),
         # its features to the drafter's context.
         self.commit(start, path, length, positions, features, recurrent)
         tree = (tokens, parents, depths, path) if self.spec.show_tree else None
-        tally = None if self.tally is None else self.tally(self.chain(draft_logits), tokens, path, length, next_token)
+        tally = None if self.tally is None else self.tally(self.chain(draft_logits, room), tokens, path, length,
+                                                         next_token)
         return rows.gather(1, path), length, next_token, ok, tree, tally
 
     def draft(self, bonus, start):
-        masks = {kind: mask.set(start) for kind, mask in self.draft_masks.items()}
+        """The drafter's pass; the block's rows past the room (round()'s) are seen by none (they are not drafted),
+        so the rows within it draft what a block of room + 1 rows drafts."""
+        room = (self.last_position - start).clamp(min=0)
+        shown = torch.arange(self.drafter.block_size, device=start.device) <= room[:, None, None]
+        masks = {kind: mask.set(start, self.block_allow[kind] * shown) for kind, mask in self.draft_masks.items()}
         return self.drafter.draft(bonus, start, masks, self.spec.denoise_steps, self.max_depth)
 
-    def propose(self, draft_logits, draft_noise):
-        """(tokens, parents, depths, q), each [N, nodes]: the nodes in parent-first order; q the warped draft law
-        when the chain's drafts are sampled (for the min(1, p/q) rule), else None. A DFlash 2 draft (a Lattice)
-        is cut the same ways: its best tree, or the selector's chain."""
+    def propose(self, draft_logits, draft_noise, room=None):
+        """(tokens, parents, depths, q), each [N, nodes]: the nodes in parent-first order, none deeper than the
+        room [N] (padding in their place; None: no limit within reach, for a stage timed alone); q the warped
+        draft law when the chain's drafts are sampled (for the min(1, p/q) rule), else None. A DFlash 2 draft (a
+        Lattice) is cut the same ways: its best tree, or the selector's chain."""
         if isinstance(draft_logits, Lattice):
-            return self.propose_lattice(draft_logits, draft_noise)
+            return self.propose_lattice(draft_logits, draft_noise, room)
         if self.method == "ddtree":
             logq = torch.log_softmax(tempered(draft_logits, self.spec.draft_temperature), dim=-1)
-            return (*self.build_tree(logq, self.tree_size), None)
+            return (*within_room(*self.build_tree(beyond_room(logq, room), self.tree_size), room), None)
         n = draft_logits.shape[0]
         chain_parents = torch.arange(self.draft_len, device=draft_logits.device).expand(n, -1)  # node i under row i
         depths = chain_parents + 1
         if self.spec.draft_sampling:
             q = warp_probs(draft_logits, self.sampling)
-            return sample(q, draft_noise), chain_parents, depths, q
-        return draft_logits.argmax(-1), chain_parents, depths, None
+            return (*within_room(sample(q, draft_noise), chain_parents, depths, room), q)
+        return (*within_room(draft_logits.argmax(-1), chain_parents, depths, room), None)
 
-    def propose_lattice(self, lattice, draft_noise):
+    def propose_lattice(self, lattice, draft_noise, room):
         """propose() for a DFlash 2 draft: the best tree of the lattice (its laws tempered by draft_temperature),
         or the selector's chain: greedy, or sampled at the target's temperature with q over its candidates."""
         if self.method == "ddtree":
             logq = torch.log_softmax(tempered(lattice.scores, self.spec.draft_temperature), dim=-1)
             build = build_lattice_tree if self.build_tree is build_tree else build_lattice_tree_heap
-            return (*build(lattice.tokens, logq, self.tree_size), None)
+            return (*within_room(*build(lattice.tokens, beyond_room(logq, room), self.tree_size), room), None)
         n = lattice.tokens.shape[0]
         chain_parents = torch.arange(self.draft_len, device=lattice.tokens.device).expand(n, -1)
         temperature = self.sampling.temperature if self.spec.draft_sampling else 0.0
         tokens, q = walk_lattice(lattice, self.draft_len, self.target.config.vocab_size, temperature, draft_noise)
-        return tokens, chain_parents, chain_parents + 1, q
+        return (*within_room(tokens, chain_parents, chain_parents + 1, room), q)
 
-    def chain(self, draft_logits):
-        """The drafter's greedy chain [N, D] (budget auto's tally of what the chain would accept)."""
+    def chain(self, draft_logits, room=None):
+        """The drafter's greedy chain [N, D] within the room (-1, no token, past it): budget auto's tally of what
+        the chain would accept."""
         if isinstance(draft_logits, Lattice):
-            return walk_lattice(draft_logits, self.max_depth, self.target.config.vocab_size)[0]
-        return draft_logits.argmax(-1)
+            chain = walk_lattice(draft_logits, self.max_depth, self.target.config.vocab_size)[0]
+        else:
+            chain = draft_logits.argmax(-1)
+        if room is None:
+            return chain
+        return torch.where(torch.arange(chain.shape[-1], device=chain.device) < room[:, None], chain, -1)
 
     def verify(self, bonus, tokens, parents, depths, start):
         """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row, each row seeing
@@ -360,13 +397,13 @@ class Engine:
                                        argmax=self.sampling.greedy)
         return rows, positions, logits, features, recurrent
 
-    def accept(self, logits, tokens, parents, q, noise, accept_u):
+    def accept(self, logits, tokens, parents, q, noise, accept_u, room=None):
         """(path [N, D + 1] of accepted rows from the root, length [N], next bonus [N], sound [N]), by the rule that
         keeps the target's law: sampled chain drafts by min(1, p/q) with the residual, deterministic drafts by the
         target's own choices (argmax or a warped sample at every row) walked down the tree."""
         if self.spec.draft_sampling:
             p = warp_probs(logits, self.sampling)
-            accepted, next_token = verify_chain_sampled(p, q, tokens, accept_u, noise)
+            accepted, next_token = verify_chain_sampled(p, q, tokens, accept_u, noise, room)
             ok = finite_rows(logits) & finite_rows(p) & finite_rows(q)
             path = torch.arange(self.draft_len + 1, device=logits.device).expand(logits.shape[0], -1)
             return path, accepted + 1, next_token, ok

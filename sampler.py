@@ -170,7 +170,8 @@ def sample_rows(logits: Tensor, noise: Tensor, s: Sampling):
 # ------------------------------------------------------------------------------------------- verification
 
 
-def verify_chain_sampled(p: Tensor, q: Tensor, drafts: Tensor, accept_u: Tensor, noise: Tensor):
+def verify_chain_sampled(p: Tensor, q: Tensor, drafts: Tensor, accept_u: Tensor, noise: Tensor,
+                         room: Tensor | None = None):
     """Speculative sampling (rejection + residual) on a chain of L sampled drafts.
 
     p: [L+1, V] warped target probs (row i: after i drafts; row L gives the bonus token), q: [L, V] warped
@@ -185,13 +186,19 @@ def verify_chain_sampled(p: Tensor, q: Tensor, drafts: Tensor, accept_u: Tensor,
     is exactly u < p/q and the reference verifier can reproduce it bit for bit. Rejection at j: next_token ~
     max(0, p_j - q_j) with noise[j]; if that residual is all zero (p_j <= q_j everywhere, only possible through
     rounding) it falls back to p_j. All L accepted: next_token ~ p_L with noise[L].
+    room (0-d or [N], optional): only the first `room` drafts count (the positions left before the limit): the
+    result is the call on the first room drafts (p, noise: room + 1 rows), each shape kept.
     """
     L = drafts.shape[-1]
+    drafted = torch.ones_like(drafts, dtype=torch.bool) if room is None else \
+        torch.arange(L, device=drafts.device) < room.unsqueeze(-1)
+    # A draft past the room is none: never accepted, and the residual at its row is p itself (q = 0 there).
+    q = torch.where(drafted.unsqueeze(-1), q, 0)
     d = drafts.unsqueeze(-1)
     p_drafted = p[..., :L, :]
     px = p_drafted.gather(-1, d).squeeze(-1).double()
     qx = q.gather(-1, d).squeeze(-1).double()
-    accept = accept_u.double() * qx < px
+    accept = (accept_u.double() * qx < px) & drafted
     n = accept.long().cumprod(-1).sum(-1)  # length of the leading run of accepts
     resid = (p_drafted - q).clamp_min(0)
     # sum > 0 iff some entry is positive, whatever the summation order: the fallback is the same batched or not

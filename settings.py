@@ -22,7 +22,6 @@ from model import Qwen3
 from rope import position_limit
 from sampler import Sampling
 import tp
-from tree_attn import round_up
 
 METHODS = ("ddtree", "dflash", "ar")
 DEFAULT_BUDGET = 512  # the paper's tree size
@@ -172,13 +171,20 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
         if spec.denoise_steps > drafter.block_size - 1:
             raise ValueError(f"denoise_steps {spec.denoise_steps} exceeds the drafter's {drafter.block_size - 1} "
                              f"draft positions (each pass decides at least one)")
-        # A round writes its verified rows after the committed tokens; the cache holds at most the position
-        # limit's slots (rounded up to the attention block).
-        rows = verify_rows(method, spec, drafter, AUTO_BUDGETS[:1])  # auto: its smallest tree must fit
-        if longest + max_new_tokens + rows > round_up(limit):
-            raise ValueError(f"{name}budget {spec.budget} is beyond what the cache can hold: prompt ({longest}) + "
-                             f"max_new_tokens ({max_new_tokens}) + {rows} verify rows > {round_up(limit)} slots")
+        check_orderable(spec.budget, drafter, target.config.vocab_size)
     return checked, fresh, stop
+
+
+def check_orderable(budget, drafter, vocab: int):
+    """A tree of `budget` nodes is one the tree builders can order: draft_tree.order_key breaks ties with an index
+    below 2**31 among budget x (tokens per depth) candidates (a DFlash 2 drafter's candidates, else the vocabulary's
+    top min(budget, vocab)). The verify's rows need no room before the limit: a round near it drafts fewer."""
+    if not is_int(budget):  # None (the chain) or "auto" (trees of AUTO_BUDGETS)
+        return
+    width = drafter.config.selector_top_k if drafter.config.selector else min(budget, vocab)
+    if budget * width >= 2**31:
+        raise ValueError(f"budget {budget} is more than the tree builder can order over {width} tokens per depth "
+                         f"(at most {(2**31 - 1) // width})")
 
 
 def check_models(target, drafter, method: str):

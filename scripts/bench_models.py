@@ -367,7 +367,7 @@ def context(a):
             text = Text(target.path)
             for length in a.lengths:
                 limit = position_limit(target.config)[0]
-                if length + a.new_tokens + a.budget + 1 > limit:
+                if length + a.new_tokens > limit:
                     print(f"{version}, {length} tokens: past the target's {limit} positions, not run")
                     continue
                 rows.append(context_row(target, drafter, text, version, length, a))
@@ -1196,7 +1196,7 @@ def calibrate(a):
     # A run of these settings: the cache this calibration is for must be one that a run can have.
     check_request(target, drafter, [[0] * a.prompt_len], [0], [], "ddtree", a.max_new_tokens, spec, a.compile,
                   None, a.batch)
-    budgets = auto_budgets(a.prompt_len, a.max_new_tokens, target)
+    budgets = auto_budgets()
     length = ddtree.cache_length(a.prompt_len, a.max_new_tokens, "ddtree", spec, drafter, budgets)
     with torch.inference_mode():
         engine = ddtree.get_engine(target, drafter, "ddtree", sampling, spec, length, a.compile, a.batch,

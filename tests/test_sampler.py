@@ -404,6 +404,25 @@ def test_verify_chain_sampled_equals_reference():
         assert p[int(n), int(t)] > 0  # residual and bonus draws stay inside the target's warped support
 
 
+def test_a_chain_cut_by_the_room_is_verified_as_the_shorter_chain():
+    """verify_chain_sampled with room r (the positions left before the limit) is the reference rule on the first r
+    drafts: past them nothing is accepted, and the token after the r-th comes from the target's own law."""
+    rnd, g = random.Random(3), torch.Generator().manual_seed(3)
+    for case in range(300):
+        N, V, L = 3, rnd.randint(1, 6), rnd.randint(1, 6)
+        s = random_sampling(rnd)
+        p = warp_probs(3 * torch.randn(N, L + 1, V, generator=g), s)
+        q = p[:, :L].clone() if case % 4 == 0 else warp_probs(3 * torch.randn(N, L, V, generator=g), s)
+        drafts, accept_u = sample(q, draw_noise((N, L), g, "cpu")), torch.rand(N, L, generator=g)
+        noise = draw_noise((N, L + 1), g, "cpu")
+        room = torch.randint(0, L + 1, (N,), generator=g)
+        n, t = verify_chain_sampled(p, q, drafts, accept_u, noise, room)
+        for i, r in enumerate(room.tolist()):
+            want = ref_verify_chain_sampled(p[i, :r + 1].tolist(), q[i, :r].tolist(), drafts[i, :r].tolist(),
+                                            Replay(accept_u[i, :r], noise[i, :r + 1]))
+            assert (int(n[i]), int(t[i])) == want, (case, i, r)
+
+
 def test_walk_tree_equals_reference():
     rnd, g = random.Random(1), torch.Generator().manual_seed(1)
     for case in range(400):

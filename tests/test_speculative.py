@@ -15,7 +15,7 @@ import compiling
 import cpu
 from conftest import (PAIR_VOCAB, HostReads, compiled_equals_eager, pair_config, random_prompts, write_drafter,
                       write_target)
-from ddtree import Engine, Speculation, generate
+from ddtree import Engine, Speculation, generate, generate_batch
 from drafter import DFlashDrafter
 from loading import checkpoint_tensors, default_target_layer_ids
 from model import Attention, Linear, Qwen3
@@ -124,6 +124,60 @@ def test_show_tree_records_rounds(models):
     tokens, parents, depths, path, length = res.trees[0]
     picture = format_tree(tokens, parents, accepted_rows=path[:length])
     assert picture.count("\n") >= 10 and "✓" in picture
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The position limit: every method reaches it, the last rounds drafting only the positions left
+
+
+@pytest.fixture(scope="module")
+def stating(files, tmp_path_factory):
+    """stating(limit): the pair's target (same weights) stating `limit` positions (max_position_embeddings)."""
+    _, tc = files
+    targets = {}
+
+    def target(limit):
+        if limit not in targets:
+            root = tmp_path_factory.mktemp(f"limit-{limit}")
+            write_target(str(root), dict(tc, max_position_embeddings=limit))
+            targets[limit] = Qwen3.from_pretrained(str(root), device="cpu")
+        return targets[limit]
+    return target
+
+
+@pytest.mark.parametrize("limit, block, kw", [
+    (48, 5, dict(method="dflash")), (128, 8, dict(method="dflash")), (128, 8, dict(method="ddtree", budget=1)),
+    (48, 5, dict(method="ddtree", budget=4)), (128, 8, dict(method="ddtree", budget=64)),
+    (48, 3, dict(method="ddtree", budget=7)), (48, 8, dict(method="dflash", temperature=0.8, draft_sampling=True)),
+    (128, 8, dict(method="ddtree", budget=16, temperature=0.8)), (128, 8, dict(method="ddtree", budget="auto"))])
+def test_every_method_reaches_the_position_limit(stating, models, monkeypatch, limit, block, kw):
+    """prompt + max_new_tokens = the limit is served by every method, as ar serves it: a round near the limit
+    drafts only the positions left (as z-lab's loop shortens its last blocks), so no verified row lies past the
+    limit; greedy output equals ar's. The batch's second request stops short of the limit."""
+    target, drafter = stating(limit), models[1][block]
+    seen, verify = [], Engine.verify
+
+    def spy(self, *args):
+        out = verify(self, *args)
+        seen.append(int(out[1].max()))
+        return out
+
+    monkeypatch.setattr(Engine, "verify", spy)
+    n = 18
+    long, short = (prompts(1, seed=block)[0] * limit)[:limit - n], prompts(1, seed=block)[0][:20]
+
+    def run():
+        return generate_batch(target, drafter, [long, short], max_new_tokens=n, stop_ids=[], seeds=[2, 3],
+                              **grouped(kw))
+    if kw.get("budget") == "auto":  # calibrate first: its dummy requests run where the run's requests do not
+        run()
+    seen.clear()
+    res = run()
+    assert [len(r.tokens) for r in res] == [n, n]
+    assert max(seen, default=0) <= limit - 1 and (seen or kw.get("budget") == "auto")  # auto may choose ar
+    if not kw.get("temperature"):
+        assert [r.tokens for r in res] == [generate(target, None, p, method="ar", max_new_tokens=n, stop_ids=[]).tokens
+                                           for p in (long, short)]
 
 
 def test_compiled_equals_eager_without_recompiles(models):
@@ -302,7 +356,8 @@ def test_hidden_size_mismatch_is_a_clear_error(tmp_path, files, models):
     (dict(method="ddtree", budget=0), "budget"),
     (dict(method="ddtree", budget=-3), "budget"),
     (dict(method="ddtree", budget=3.5), "budget must be an integer"),
-    (dict(method="ddtree", budget=5000), "beyond what the cache can hold"),
+    (dict(method="ddtree", budget=10**9), "budget 1000000000 is more than the tree builder can order over 16 tokens "
+                                          "per depth"),
     (dict(method="ddtree", denoise_steps=0), "denoise_steps"),
     (dict(method="ddtree", draft_temperature=0.0), "draft_temperature"),
 ])
