@@ -29,7 +29,8 @@ The paper's benchmark (scripts/bench_datasets.py)
               to AR's, HumanEval's pass@1 (--score), a JSON of every response, plots; data parallel under torchrun
 
 The library they share is scripts/benchlib.py; docs/benchmarks.md holds what each measured, when and on which
-machine. Bad options are one `error:` line and exit status 2, as on ddtree.py's command line.
+machine. Bad options are one `error:` line and exit status 2, as on ddtree.py's command line; counts must be at
+least 1, and --json / --out must be writable: both are checked before anything is measured.
 """
 
 import argparse
@@ -41,6 +42,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 import bench_datasets  # noqa: E402
 import bench_models  # noqa: E402
 import bench_round  # noqa: E402
+from benchlib import check_writable  # noqa: E402
 from cli import in_flags, one_line_errors  # noqa: E402
 
 COMMANDS = {**bench_round.COMMANDS, **bench_models.COMMANDS, **bench_datasets.COMMANDS}  # name -> (its options, its run)
@@ -61,6 +63,9 @@ def main(argv=None) -> int:
     (argparse's own errors too: cli.one_line_errors)."""
     try:
         a = parser().parse_args(argv)
+        for flag, folder in (("json", False), ("out", True)):  # the results' place, before anything is measured
+            if getattr(a, flag, None):
+                check_writable(f"--{flag}", getattr(a, flag), folder)
         return COMMANDS[a.command][1](a) or 0
     except (ValueError, TypeError) as e:
         print(f"error: {in_flags(str(e))}", file=sys.stderr)

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from benchlib import (ROOT, batched_run, best_of, cpu_name, held_out_code, in_fresh_process, interleaved,
                       interleaved_runs, long_windows, reset_peak, round_header, round_row, round_split,
-                      save_random_pair, status_mb, tree_verify, verify_ms, write_json)
+                      positive_int, save_random_pair, status_mb, tree_verify, verify_ms, write_json)
 import ddtree
 import gated_delta
 from budget import auto_budgets, cache_file, device_name
@@ -49,25 +49,25 @@ CPU = torch.device("cpu")
 def pair_options(p):
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64, 256, 512])
-    p.add_argument("--denoise", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--contexts", type=int, default=60)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--passes", type=int, default=3, help="passes over the prompts (every method runs each prompt "
-                   "in turn)")
+    p.add_argument("--budgets", type=positive_int, nargs="+", default=[4, 16, 64, 256, 512])
+    p.add_argument("--denoise", type=positive_int, nargs="+", default=[1, 2])
+    p.add_argument("--prompts", type=positive_int, default=8)
+    p.add_argument("--contexts", type=positive_int, default=60)
+    p.add_argument("--new-tokens", type=positive_int, default=128)
+    p.add_argument("--passes", type=positive_int, default=3, help="passes over the prompts (every method runs each "
+                   "prompt in turn)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--max-autotune", action="store_true", help="compile as ddtree.py --max-autotune does (every "
                    "method: AR too)")
-    p.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16],
+    p.add_argument("--batches", type=positive_int, nargs="*", default=[1, 4, 16],
                    help="batch sizes for the batched section (generate_batch; greedy ddtree at --batch-budget)")
-    p.add_argument("--batch-budget", type=int, default=16)
-    p.add_argument("--batch-prompts", type=int, default=16)
+    p.add_argument("--batch-budget", type=positive_int, default=16)
+    p.add_argument("--batch-prompts", type=positive_int, default=16)
     p.add_argument("--only-batches", action="store_true", help="run the batched section alone")
     p.add_argument("--only-auto", action="store_true", help="run budget auto beside the fixed choices, alone")
-    p.add_argument("--auto-passes", type=int, default=2)
+    p.add_argument("--auto-passes", type=positive_int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every method runs in it")
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench_pair")
 
@@ -93,6 +93,7 @@ def pair(a):
     os.makedirs(a.out, exist_ok=True)
     target = Qwen3.from_pretrained(a.target, device="cpu", dtype=getattr(torch, a.dtype))
     drafter = DFlashDrafter.from_pretrained(a.draft, device="cpu", dtype=getattr(torch, a.dtype)).bind(target)
+    check_pair_runs(target, drafter, a)
     text = Text(target.path)
     prompts = held_out_code(text, a.prompts, 64, 160, a.seed)
     contexts = held_out_code(text, a.contexts, 32, 256, a.seed + 1)
@@ -114,6 +115,18 @@ def pair(a):
     print(f"\nbest tree {best_key}: tau {rows[best_key]['tau']:.2f} = "
           f"{rows[best_key]['tau'] / rows[chain_key]['tau']:.2f}x the chain's {rows[chain_key]['tau']:.2f}; wrote "
           f"{a.out}/bench_pair.json, tau_speedup.png, committed_per_round.png")
+
+
+def check_pair_runs(target, drafter, a):
+    """Every run's settings (each budget, the batches' budget, each --denoise; the longest prompt) checked as
+    generate() checks them, before anything is measured."""
+    if max(a.denoise) > drafter.block_size - 1:
+        raise ValueError(f"--denoise {max(a.denoise)} exceeds the drafter's {drafter.block_size - 1} draft positions "
+                         f"(each pass decides at least one)")
+    for budget in a.budgets + [a.batch_budget]:
+        _, spec = check_settings("ddtree", Sampling(), budget, None)
+        check_request(target, drafter, [[0] * 256], [0], [], "ddtree", a.new_tokens, spec, a.compile, None,
+                      max(a.batches or [1]))
 
 
 def method_table(target, drafter, prompts, contexts, a) -> dict:
@@ -328,15 +341,15 @@ def auto_plot(rows, estimates, ran, budgets, path):
 def context_options(p):
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 1920, 4096, 8000])
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[512, 1024, 1920, 4096, 8000])
     p.add_argument("--windows", type=int, nargs="+", default=[0, 256],
                    help="the drafter's context windows (0: the whole context)")
-    p.add_argument("--budget", type=int, default=16)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--budget", type=positive_int, default=16)
+    p.add_argument("--prompts", type=positive_int, default=4)
+    p.add_argument("--new-tokens", type=positive_int, default=64)
     p.add_argument("--yarn", type=float, default=4.0, help="the YaRN factor of the scaled copy")
-    p.add_argument("--passes", type=int, default=1)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--passes", type=positive_int, default=1)
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench_context")
 
@@ -454,11 +467,12 @@ def official_options(p):
     p.add_argument("--official", required=True, help="a checkout of github.com/liranringel/ddtree")
     p.add_argument("--target", default=os.path.join(ROOT, "assets", "tiny-target"))
     p.add_argument("--draft", default=os.path.join(ROOT, "assets", "tiny-draft"))
-    p.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64])
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--passes", type=int, default=3, help="passes over the prompts per side; the fastest counts")
+    p.add_argument("--budgets", type=positive_int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--prompts", type=positive_int, default=4)
+    p.add_argument("--new-tokens", type=positive_int, default=128)
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--passes", type=positive_int, default=3,
+                   help="passes over the prompts per side; the fastest counts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=["eager", "compiled"],
                    help="how ours runs: eager, compiled (--compile, as the CLI), max-autotune (--max-autotune)")
@@ -602,18 +616,18 @@ def ours(target_path, draft_path, prompts, budgets, new_tokens, compile, passes)
 
 
 def moe_options(p):
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--expert-width", type=int, default=128)
-    p.add_argument("--block", type=int, default=8)
+    p.add_argument("--vocab", type=positive_int, default=4096)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--experts", type=positive_int, default=16)
+    p.add_argument("--top-k", type=positive_int, default=2)
+    p.add_argument("--expert-width", type=positive_int, default=128)
+    p.add_argument("--block", type=positive_int, default=8)
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 16, 64, 256], help="0: a decode step")
-    p.add_argument("--tree-budget", type=int, default=16, help="DDTree's budget for tokens/s")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--tree-budget", type=positive_int, default=16, help="DDTree's budget for tokens/s")
+    p.add_argument("--new-tokens", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=7)
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count())
     p.add_argument("--json", default=None)
 
 
@@ -686,13 +700,13 @@ QWEN3_5_27B_LINEAR = dict(layers=48, heads=48, key_dim=128, value_dim=128)
 
 
 def hybrid_options(p):
-    p.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64, 512])
-    p.add_argument("--memory-budgets", type=int, nargs="*", default=None,
+    p.add_argument("--budgets", type=positive_int, nargs="+", default=[4, 16, 64, 512])
+    p.add_argument("--memory-budgets", type=positive_int, nargs="*", default=None,
                    help="budgets of the memory cases (default: --budgets and 1024, 2048, to show the growth's shape)")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--memory-repeats", type=int, default=3)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (tiny matmuls: 1 is fastest)")
+    p.add_argument("--repeats", type=positive_int, default=20)
+    p.add_argument("--memory-repeats", type=positive_int, default=3)
+    p.add_argument("--prompt-len", type=positive_int, default=256)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (tiny matmuls: 1 is fastest)")
     p.add_argument("--compile", action="store_true", help="also time the verify compiled")
     p.add_argument("--json", default=None)
     p.add_argument("--memory-case", nargs=3, help=argparse.SUPPRESS)  # path budget prompt_len: one case here
@@ -967,8 +981,7 @@ def memory(a):
           f"{out['sampled, all rows at once']['growth_mb'] / g:.2f}x); the sampled draws are "
           f"{'identical' if out['sampled']['tokens'] == out['sampled, all rows at once']['tokens'] else 'DIFFERENT'}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.json, out)
 
 
 def one_case(root, sampled, all_rows):
@@ -998,12 +1011,13 @@ MOE_CHECK_SIZES = dict(hidden=32, experts=8, inter=16, top_k=2, rows=[2, 9])  # 
 
 
 def moe_parallel_options(p):
-    p.add_argument("--hidden", type=int, default=3072)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--inter", type=int, default=1024, help="each expert's intermediate size")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--rows", type=int, nargs="+", default=[65, 129, 257, 513], help="a verify's rows: budget + 1")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per scheme and row count")
+    p.add_argument("--hidden", type=positive_int, default=3072)
+    p.add_argument("--experts", type=positive_int, default=256)
+    p.add_argument("--inter", type=positive_int, default=1024, help="each expert's intermediate size")
+    p.add_argument("--top-k", type=positive_int, default=8)
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[65, 129, 257, 513],
+                   help="a verify's rows: budget + 1")
+    p.add_argument("--iters", type=positive_int, default=20, help="timed calls per scheme and row count")
     p.add_argument("--check", action="store_true", help="both schemes against the whole layer, small and float64")
 
 

@@ -15,7 +15,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from benchlib import (ROOT, best_of, compare, held_out_code, interleaved_runs, print_rows, random_tokens,
+from benchlib import (ROOT, best_of, compare, positive_int, held_out_code, interleaved_runs, print_rows, random_tokens,
                       round_header, round_row, round_split, save_random_pair, save_random_target, timed, tree_alone,
                       verify_ms, write_json)
 import cpu
@@ -39,6 +39,8 @@ def size_of(text: str, flag: str) -> tuple[int, int]:
         hidden, layers = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise ValueError(f"{flag} takes HxL, such as 1024x8, not {text!r}") from None
+    if hidden < 1 or layers < 2:  # the random pair's drafter reads target layer 1
+        raise ValueError(f"{flag} {text}: the hidden size must be at least 1 and the layers at least 2")
     return hidden, layers
 
 
@@ -51,15 +53,15 @@ def load_pair(target_path: str, draft_path: str, dtype):
 
 
 def stages_options(p):
-    p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 512, 1024])
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--block", type=int, default=16)
-    p.add_argument("--draft-layers", type=int, default=1)
+    p.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 64, 256, 512, 1024])
+    p.add_argument("--vocab", type=positive_int, default=8192)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--block", type=positive_int, default=16)
+    p.add_argument("--draft-layers", type=positive_int, default=1)
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count())
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--skip-tree-alone", action="store_true")
     p.add_argument("--json", default=None)
@@ -83,6 +85,9 @@ def stages(a):
     on its own (compiled, they fuse into the round's graph and cost less). `round` is the whole compiled round
     (Engine.round) when --compile is given.
     """
+    if a.layers < 2:  # random_pair's drafter reads target layers below the last
+        raise ValueError(f"--layers must be at least 2 (the drafter reads a target layer below the last), got "
+                         f"{a.layers}")
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
     results = {"args": vars(a), "rounds": {}}
@@ -171,11 +176,11 @@ def scorecard_pair(new: int, passes: int = 3) -> dict:
 def roofline_options(p):
     p.add_argument("--target", default=os.path.join(ROOT, "assets", "tiny-target"))
     p.add_argument("--draft", default=os.path.join(ROOT, "assets", "tiny-draft"))
-    p.add_argument("--budgets", type=int, nargs="+", default=[4, 16])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 17, 65], help="verify rows (budget + 1)")
-    p.add_argument("--prompt-len", type=int, default=200)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--budgets", type=positive_int, nargs="+", default=[4, 16])
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 5, 17, 65], help="verify rows (budget + 1)")
+    p.add_argument("--prompt-len", type=positive_int, default=200)
+    p.add_argument("--repeats", type=positive_int, default=7)
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count())
     p.add_argument("--max-autotune", action="store_true", help="compile the rounds and their stages as "
                    "ddtree.py --max-autotune does (frozen graphs, autotuned matmuls, oneDNN weight copies)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the models' dtype (logits "
@@ -352,14 +357,14 @@ def linear_table(target, rows_list, repeats, dtype):
 def crossover_options(p):
     p.add_argument("--sizes", nargs="+", default=["bundled", "1024x8"],
                    help="HIDDENxLAYERS per random pair, or bundled")
-    p.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--budgets", type=positive_int, nargs="+", default=[4, 16, 64])
     p.add_argument("--mode", choices=["max-autotune", "compile"], default="max-autotune",
                    help="compile as --max-autotune or as --compile does")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--prompt-len", type=int, default=200)
-    p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--passes", type=int, default=2)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--prompt-len", type=positive_int, default=200)
+    p.add_argument("--steps", type=positive_int, default=25)
+    p.add_argument("--passes", type=positive_int, default=2)
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count())
     p.add_argument("--json", default=None)
 
 
@@ -449,10 +454,10 @@ SETTINGS = (("T 0.6, top-k 20, top-p 0.95", Sampling(0.6, 20, 0.95)),  # Qwen3's
 
 
 def sampling_options(p):
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--rows", type=int, nargs="+", default=[17, 65])
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--vocab", type=positive_int, default=151936)
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[17, 65])
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count())
+    p.add_argument("--repeats", type=positive_int, default=3)
 
 
 def sampling(a):
@@ -491,7 +496,7 @@ CALL = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+
 
 
 def kernels_options(p):
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--json", default=None)
 
 
@@ -567,10 +572,10 @@ def decode_step_calls(config: Qwen3Config) -> collections.Counter:
 
 
 def callgraph_options(p):
-    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--budget", type=positive_int, default=16)
     p.add_argument("--eager-tree", action="store_true", help="the heap builder (an eager engine's) instead")
     p.add_argument("--list", action="store_true", help="print every function")
-    p.add_argument("--new-tokens", type=int, default=32, help="the whole generate()'s tokens")
+    p.add_argument("--new-tokens", type=positive_int, default=32, help="the whole generate()'s tokens")
 
 
 def callgraph(a):
@@ -687,13 +692,13 @@ def source_lines(code) -> int:
 
 
 def ar_options(p):
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--new", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for every contender")
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--vocab", type=positive_int, default=8192)
+    p.add_argument("--new", type=positive_int, default=128)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch threads for every contender")
 
 
 def ar_speed(a):

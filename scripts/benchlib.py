@@ -6,6 +6,7 @@ alone (verify_ms, tree_verify), tree construction alone, AR beside transformers'
 and held-out prompts and greedy runs on a trained pair, side by side (held_out_code, interleaved_runs).
 """
 
+import argparse
 import itertools
 import json
 import math
@@ -39,6 +40,38 @@ from text import Text  # noqa: E402
 from train_target import HELD_OUT_EVERY, read  # noqa: E402
 from tree_attn import PrefixMask, compact_kv  # noqa: E402
 from settings import grouped  # noqa: E402
+
+
+def positive_int(text: str) -> int:
+    """argparse's type for a count (prompts, passes, repeats, threads, sizes, budgets): an integer of at least 1,
+    refused while the options are parsed, before anything is built or measured."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {value}")
+    return value
+
+
+def check_writable(flag: str, path: str, folder: bool = False):
+    """Refuse, before anything is measured, an output that could not be written at the end (a run's results would
+    be lost): `path` (a file; a folder with `folder`) exists and is writable, or the nearest folder above it that
+    exists is writable (write_json makes the folders below it)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if os.path.isdir(path) != folder:
+            raise ValueError(f"{flag} {path} is {'a file, not a folder' if folder else 'a folder, not a file'}")
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path} is not writable")
+        return
+    above = os.path.dirname(path)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ValueError(f"{flag} {path} cannot be written: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path} cannot be written: {above} is not writable")
 
 
 def write_json(path: str, obj):

@@ -971,7 +971,8 @@ def parse_args(argv=None):
     a.part_seconds = (900.0 if a.small else 400.0) if a.part_seconds is None else a.part_seconds
     if a.parts and len(set(a.parts)) != len(a.parts):
         p.error(f"--parts names a part twice: {' '.join(a.parts)}")
-    if min(a.round_budgets + a.verify_budgets) < 1 or a.deadline <= 0 or a.part_seconds <= 0 or (a.repeats or 1) < 1:
+    if min(a.round_budgets + a.verify_budgets) < 1 or a.deadline <= 0 or a.part_seconds <= 0 or \
+            (a.repeats is not None and a.repeats < 1):  # --repeats 0 is no default: refused, not replaced
         p.error("budgets and --repeats must be at least 1, --deadline and --part-seconds positive")
     try:
         device = torch.device(a.device)

@@ -25,7 +25,7 @@ def test_every_command_parses_its_help(command, capsys):
 @pytest.mark.parametrize("args, message", [
     ([], "the following arguments are required: COMMAND"),
     (["bench_pair"], "invalid choice: 'bench_pair'"),
-    (["round", "--budgets", "x"], "argument --budgets: invalid int value: 'x'"),
+    (["round", "--budgets", "x"], "argument --budgets: must be an integer of at least 1, got 'x'"),
     (["pair", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["roofline", "--size", "1024"], "--size takes HxL, such as 1024x8, not '1024'"),
     (["crossover", "--sizes", "bundled", "big"], "--sizes takes HxL, such as 1024x8, not 'big'"),
@@ -40,9 +40,27 @@ def test_every_command_parses_its_help(command, capsys):
     (["datasets", "--rows", "gsm8k=rows.jsonl"], "--rows takes NAME=FILE with NAME one of --datasets"),
     (["datasets", "--rows", "humaneval=/nonexistent.jsonl"], "--rows humaneval=/nonexistent.jsonl: no such file"),
     (["datasets", "--datasets", "gsm9k"], "argument --datasets: invalid choice: 'gsm9k'"),
+    # counts are refused as they are parsed, before a pair is built or anything runs
+    (["pair", "--prompts", "0"], "argument --prompts: must be an integer of at least 1, got 0"),
+    (["round", "--threads", "0"], "argument --threads: must be an integer of at least 1, got 0"),
+    (["sampling", "--repeats", "-2"], "argument --repeats: must be an integer of at least 1, got -2"),
+    (["moe-parallel", "--rows", "65", "0"], "argument --rows: must be an integer of at least 1, got 0"),
+    (["round", "--layers", "1"], "--layers must be at least 2 (the drafter reads a target layer below the last)"),
+    (["crossover", "--sizes", "256x1"], "--sizes 256x1: the hidden size must be at least 1 and the layers at least 2"),
+    (["pair", "--denoise", "99"], "--denoise 99 exceeds the drafter's 7 draft positions"),  # the bundled pair's
 ])
 def test_bad_options_are_one_error_line(args, message, capsys):
     assert_one_error_line(bench.main(args), capsys.readouterr().err, message)
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_anything_is_measured(tmp_path, capsys):
+    """--json and --out are checked first: a run's results are never measured only to be lost at its end."""
+    (tmp_path / "file").write_text("")
+    for args, message in [(["pair", "--out", str(tmp_path / "file")], "file is a file, not a folder"),
+                          (["memory", "--json", str(tmp_path / "file" / "m.json")],
+                           f"m.json cannot be written: {tmp_path / 'file'} is a file, not a folder"),
+                          (["round", "--json", str(tmp_path)], f"--json {tmp_path} is a folder, not a file")]:
+        assert_one_error_line(bench.main(args), capsys.readouterr().err, message)
 
 
 def test_context_runs_past_the_checkpoints_window_only_scaled_and_every_run_equals_plain_decoding(tmp_path):

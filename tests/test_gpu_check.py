@@ -96,7 +96,8 @@ def test_a_part_priced_past_the_deadline_is_skipped(tmp_path):
 
 
 def test_bad_arguments_are_one_error_line(tmp_path):
-    cases = [(["--device", "tpu"], "tpu"), (["--parts", "nope"], "nope")]
+    cases = [(["--device", "tpu"], "tpu"), (["--parts", "nope"], "nope"),
+             (["--repeats", "0"], "--repeats must be at least 1")]  # not taken for "the default"
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "no such CUDA device"))
     for args, message in cases:
