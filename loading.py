@@ -225,7 +225,10 @@ def rope_scaling_fields(params: dict, source: str, where: str) -> dict:
                 raise ValueError(f"{where}: truncate must be true or false, got {value!r}")
         elif key == "original_max_position_embeddings":
             positive(where, params, key)
-        elif key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        elif key in ("beta_fast", "beta_slow"):  # turns over the original length, whose log yarn takes
+            if finite(where, params, key) < 0:
+                raise ValueError(f"{where}: {key} must be a positive number (0 or null: the default), got {value!r}")
+        elif key in ("mscale", "mscale_all_dim"):
             finite(where, params, key)
         else:  # factor, attention_factor, low_freq_factor, high_freq_factor
             positive(where, params, key, float)

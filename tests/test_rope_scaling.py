@@ -291,6 +291,10 @@ REFUSALS = {
                             ("truncate must be true or false",)),
     "null original length": (dict(rope_theta=THETA, rope_scaling=dict(YARN, original_max_position_embeddings=None)),
                              ("original_max_position_embeddings must be a positive integer",)),
+    "negative beta_fast": (dict(rope_theta=THETA, rope_scaling=dict(YARN, beta_fast=-4)),  # no log of it
+                           ("(rope_scaling): beta_fast must be a positive number (0 or null: the default), got -4",)),
+    "negative beta_slow": (dict(rope_theta=THETA, rope_scaling=dict(YARN, beta_slow=-0.5)),
+                           ("(rope_scaling): beta_slow must be a positive number (0 or null: the default), got -0.5",)),
     "rope_scaling not an object": (dict(rope_theta=THETA, rope_scaling=[1, 2]),
                                    ("rope_scaling must be a JSON object",)),
 }
