@@ -764,8 +764,8 @@ def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
     if value("block_size") > model["max_position_embeddings"]:  # the block's rows are positions: none would fit
         raise ValueError(f"{where}: block_size={reprlib.repr(value('block_size'))} is past max_position_embeddings="
                          f"{model['max_position_embeddings']}")
-    ids = value("target_layer_ids") or default_target_layer_ids(value("num_target_layers"),
-                                                                model["num_hidden_layers"])
+    ids = value("target_layer_ids") or default_layer_ids(where, value("num_target_layers"),
+                                                         model["num_hidden_layers"])
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"{where}: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
     scales = {}
@@ -805,6 +805,21 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def default_layer_ids(where: str, targets: int, drafts: int) -> list[int]:
+    """default_target_layer_ids for a file that gives none. Below 4 target layers the span it spreads them over is
+    empty: the ids it gives there are said (refused where out of range), with the file, rather than taken in
+    silence."""
+    ids = default_target_layer_ids(targets, drafts)
+    said = (f"{where}: dflash_config gives no target_layer_ids, and DFlash's default for a {targets}-layer target "
+            f"with {drafts} drafter layer{'s' if drafts > 1 else ''} (spread over target layers 1 .. "
+            f"num_target_layers - 3) is {ids}")
+    if not all(0 <= i < targets for i in ids):
+        raise ValueError(f"{said}: out of range; give target_layer_ids")
+    if targets < 4 and drafts > 1:
+        warnings.warn(f"{said}; give target_layer_ids to choose others")
+    return ids
 
 
 def attention_kinds(d: dict, where: str) -> tuple:

@@ -4,6 +4,7 @@ bad input."""
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -326,6 +327,22 @@ def broken_copy(tmp_path, files, block=5, **edits):
 def test_broken_drafter_files_are_clear_errors(tmp_path, files, edit, message):
     with pytest.raises(ValueError, match=message):
         DFlashDrafter.from_pretrained(broken_copy(tmp_path, files, **edit), device="cpu")
+
+
+def test_default_target_layer_ids_below_four_target_layers_are_named(tmp_path, files):
+    """DFlash's default spreads the ids over target layers 1 .. num_target_layers - 3, a span empty below 4 layers:
+    the ids it gives there are named (refused where out of range) with the file, not taken in silence."""
+    def without_ids(c, **more):
+        c["dflash_config"].pop("target_layer_ids", None)
+        c.pop("target_layer_ids", None)
+        c.update(more)
+
+    said = "config.json: dflash_config gives no target_layer_ids, and DFlash's default for a {}-layer target"
+    with pytest.warns(UserWarning, match=re.escape(said.format(3)) + r".* is \[1, 0\]"):
+        DFlashDrafter.from_pretrained(broken_copy(tmp_path / "a", files, config_edit=without_ids), device="cpu")
+    with pytest.raises(ValueError, match=re.escape(said.format(2)) + r".* is \[1, -1\]: out of range"):
+        DFlashDrafter.from_pretrained(broken_copy(tmp_path / "b", files, config_edit=lambda c: without_ids(
+            c, num_target_layers=2)), device="cpu")
 
 
 @pytest.mark.parametrize("config_edit, message", [
