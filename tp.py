@@ -1,6 +1,7 @@
 """Tensor parallel over torch.distributed ranks, for targets that no single device holds (docs/tp.md).
 
     torchrun --nproc-per-node 8 ddtree.py --target Qwen/Qwen3.5-122B-A10B --draft z-lab/Qwen3.5-122B-A10B-DFlash ...
+    python tp.py --nproc-per-node 8 ddtree.py ...    # the same launch, ending as one process does (launch())
 
 Launched by torchrun (WORLD_SIZE > 1 in the environment), Qwen3.from_pretrained joins the process group (gloo on the
 CPU, nccl on CUDA, one GPU per local rank) and gives every rank its shard of the target, in the manner of gpt-fast's
@@ -365,3 +366,37 @@ def take(plan: Plan, name: str, stored) -> torch.Tensor:
     # safetensors may give a slice as a view of the whole tensor (mapped from the file, only the slice's bytes
     # touched): copied, the shard alone stays in memory.
     return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The launcher: torchrun's, ending as one process does
+
+
+def launch(argv=None) -> int:
+    """torchrun with its own flags (`python tp.py --nproc-per-node 8 ddtree.py ...`), ending as one process does:
+    on Ctrl-C or SIGTERM, torchrun hands the signal to the ranks (rank 0 keeps the text it streamed and says where
+    it stopped) and then raises its own SignalException, a traceback and exit status 1; here the exit status is
+    130 or 143 (128 + the signal's number) and nothing more is printed. A rank that fails (an `error:` line, exit
+    2) gives its own exit status instead of torchrun's failure report."""
+    import logging
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    # Its notes on shutting the ranks down or on a rank's exit status: the ranks have said what the user needs.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run.main(argv)
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        # The first rank that exited by itself (the others may have been stopped by torchrun, a negative code:
+        # the signal's number), as a shell reports it.
+        codes = [failure.exitcode for _, failure in sorted(e.failures.items())]
+        return next((c for c in codes if c > 0), 128 - codes[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(launch())

@@ -281,3 +281,38 @@ def test_a_rank_that_never_joins_ends_the_others_wait_after_the_timeout(tmp_path
                    timeout=RANKS_TIMEOUT)
     seen = json.load(open(tmp_path / "out.json"))
     assert seen["outcome"] == "RuntimeError" and 2.5 < seen["waited"] < 8, seen
+
+
+def test_ctrl_c_under_the_launcher_exits_130_with_the_streamed_text_kept(tmp_path):
+    """`python tp.py` is torchrun with its flags: on Ctrl-C torchrun hands SIGINT to the ranks, rank 0 keeps what it
+    streamed and says where it stopped, and the launch exits 130 as one process does (torchrun itself: its own
+    SignalException traceback, exit 1)."""
+    import signal
+    import time
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")
+    launch = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "tp.py"), "--standalone",
+                               f"--nproc-per-node={RANKS}", os.path.join(REPO_ROOT, "ddtree.py"), "--prompt", "def",
+                               "--no-chat", "--method", "ar", "--temperature", "3", "--seed", "1",
+                               "--max-new-tokens", "2000"], env=env, stdout=out, stderr=err, text=True)
+    deadline = time.monotonic() + RANKS_TIMEOUT
+    while not os.path.getsize(tmp_path / "out") and launch.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)  # until the text streams
+    launch.send_signal(signal.SIGINT)
+    code = launch.wait(timeout=60)
+    text, said = open(tmp_path / "out").read(), open(tmp_path / "err").read()
+    assert code == 130 and text, (code, said[-3000:])
+    # every rank keeps its stderr: each says where it stopped (a collective cut short may add the backend's warning)
+    assert "Traceback" not in said and "[ar] interrupted after " in said, said[-3000:]
+
+
+def test_an_error_under_the_launcher_is_its_one_line_and_exit_status():
+    """Bad input under `python tp.py`: the ranks' `error:` line (the same from each) and its exit status 2, without
+    torchrun's failure report (torchrun itself: a ChildFailedError traceback, exit 1)."""
+    launch = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tp.py"), "--standalone",
+                             f"--nproc-per-node={RANKS}", os.path.join(REPO_ROOT, "ddtree.py"), "--prompt", "x",
+                             "--top-k", "3"], env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+                            capture_output=True, text=True, timeout=RANKS_TIMEOUT)
+    lines = set(launch.stderr.splitlines())
+    assert launch.returncode == 2 and len(lines) == 1, (launch.returncode, launch.stderr[-3000:])
+    assert_one_error_line(launch.returncode, lines.pop() + "\n", "--top-k does not apply to method 'ddtree'")
