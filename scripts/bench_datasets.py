@@ -138,6 +138,8 @@ def check_options(a) -> dict:
         raise ValueError("--limit must be at least 1")
     if a.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
+    if a.threads is not None and a.threads < 1:  # 0 would be taken for "torch's own"
+        raise ValueError("--threads must be at least 1")
     if any(t < 0 for t in a.temperature):
         raise ValueError("--temperature must be 0 (greedy) or more")
     if a.score and "humaneval" not in a.datasets:
@@ -321,7 +323,7 @@ class Runner:
         """The engine of these settings whose caches hold this prompt. Every engine has the same cache length, the
         longest any request has needed so far: the caches are the models', shared by the engines, so engines of
         different lengths taking turns would resize them at every request."""
-        budgets = auto_budgets(prompt_len, self.a.max_new_tokens, self.target) if spec.budget == "auto" else ()
+        budgets = auto_budgets() if spec.budget == "auto" else ()
         self.length = max(self.length, cache_length(prompt_len, self.a.max_new_tokens, method, spec, drafter,
                                                     budgets, self.target.device.type))
         key = (method, sampling, spec, self.length, budgets)

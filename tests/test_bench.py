@@ -40,6 +40,7 @@ def test_every_command_parses_its_help(command, capsys):
     (["datasets", "--rows", "gsm8k=rows.jsonl"], "--rows takes NAME=FILE with NAME one of --datasets"),
     (["datasets", "--rows", "humaneval=/nonexistent.jsonl"], "--rows humaneval=/nonexistent.jsonl: no such file"),
     (["datasets", "--datasets", "gsm9k"], "argument --datasets: invalid choice: 'gsm9k'"),
+    (["datasets", "--threads", "0"], "--threads must be at least 1"),
     # counts are refused as they are parsed, before a pair is built or anything runs
     (["pair", "--prompts", "0"], "argument --prompts: must be an integer of at least 1, got 0"),
     (["round", "--threads", "0"], "argument --threads: must be an integer of at least 1, got 0"),
