@@ -375,8 +375,20 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as e:  # while loading
         say(stopped(e))
         return stop_status(e)
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        say(f"error: out of memory: {str(e).splitlines()[0][:300]} (a smaller --budget, --max-new-tokens or prompt "
+            "needs less; --memory prints what a token costs)")
+        return 2
     finally:
         release_stop_signals(handlers)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether an allocation failed: a request too large for the device (a huge tree's mask and scratch rows, a long
+    prompt) is bad input like any other, not a crash."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 class Terminated(KeyboardInterrupt):

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from ddtree import generate, generate_batch
+from ddtree import DEFAULT_DRAFT, generate, generate_batch
 from drafter import DFlashDrafter
 from model import Qwen3
 from settings import Speculation, check_applies, grouped
@@ -625,6 +625,16 @@ def test_meta_and_unknown_devices_are_refused(files):
 def test_cli_refuses_what_does_not_apply_and_bad_values(args, message):
     base = ["--prompt", "def f(x):", "--max-new-tokens", "4", "--no-chat"]
     assert_one_error_line(*cli(*base, *args)[::2], message)
+
+
+def test_cli_a_tree_too_large_for_memory_is_one_line():
+    # A DFlash 2 drafter's few candidates per depth let the tree builders order millions of nodes; the verify's
+    # mask alone would then hold (budget + 1)^2 bytes, terabytes: the allocation fails, and that is bad input.
+    draft2 = os.path.join(os.path.dirname(DEFAULT_DRAFT), "tiny-draft2")
+    code, _, err = cli("--prompt", "def f(x):", "--max-new-tokens", "4", "--no-chat", "--draft", draft2,
+                       "--budget", "3000000")
+    assert_one_error_line(code, err, "out of memory")
+    assert "--budget" in err
 
 
 def test_cli_tiny_temperature_is_not_token_zero():
