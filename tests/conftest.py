@@ -77,12 +77,16 @@ class HostReads:
                 setattr(torch.Tensor, name, method)
 
 
-def compiled_equals_eager(run, cases, mode=True):
+def compiled_equals_eager(run, cases, mode=True, same_acceptance=True):
     """run(case, compile) -> Result. The first compiled case (compile=mode: True or "max-autotune") warms up; after
     it, every compiled case must give eager's tokens with no new graph, no graph break and one host read per round
-    (plus a request's one: see HostReads). Returns the results after warm-up."""
+    (plus a request's one: see HostReads). Every compiled case also accepts what eager accepts, round for round
+    (stats["accepted"]): the verify keeps the tokens right whatever the drafter proposes, so a compiled drafter or
+    tree builder that goes wrong shows only there (same_acceptance=False where the rounds depend on timings: budget
+    auto). Returns the results after warm-up."""
     from torch._dynamo.utils import counters
-    eager = [run(c, compile=False).tokens for c in cases]
+    eager_runs = [run(c, compile=False) for c in cases]
+    eager = [r.tokens for r in eager_runs]
     warm = run(cases[0], compile=mode)
     counters.clear()  # after warm-up: every later round must reuse the graphs, whatever the prompt length
     runs = []
@@ -91,6 +95,8 @@ def compiled_equals_eager(run, cases, mode=True):
             runs.append(run(c, compile=mode))
         assert reads.count == runs[-1].stats["rounds"] + 1, (reads.count, runs[-1].stats["rounds"])
     assert [warm.tokens] + [r.tokens for r in runs] == eager
+    if same_acceptance:
+        assert [r.stats["accepted"] for r in [warm] + runs] == [r.stats["accepted"] for r in eager_runs]
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     return runs
