@@ -4,18 +4,21 @@ The candidates are plain decoding ("ar"), the DFlash chain ("chain") and DDTree 
 round runs the candidate with the best expected tokens per second, tokens per round over seconds per round:
 
 - Seconds per round are measured. A calibration times every candidate's round on this device, compiled or eager
-  as the run is, at the run's batch size and cache size, once: the curve is cached on disk (cache_file()) and
-  reused by later runs. During a run, the rounds a candidate runs replace its calibrated time, and candidates not
-  run yet are scaled by how far the measured ones moved from their calibration (the context has grown, the
-  machine is busier).
+  as the run is, at the run's batch size and cache size, in passes over the candidates in turn, and keeps each
+  one's lowest pass (a busy machine only ever adds time), with more passes while the passes disagree (the machine
+  was not quiet): the curve is cached on disk (cache_file()) and reused by later runs. During a run, the rounds a
+  candidate runs replace its calibrated time, and candidates not run yet are scaled by how far the measured ones
+  of their kind moved from their calibration (the context has grown, the machine is busier). A candidate that
+  might win but has not run for STALE_ROUNDS rounds is probed, so that a cost estimated too high is measured
+  again; a run whose measurements show the calibration wrong marks it to be renewed by the next run.
 - Tokens per round are estimated from the run's own rounds. Plain decoding emits one. The best-first trees are
   nested (the tree of B' nodes is the first B' nodes of the tree of B >= B'), so one verified tree tells what
   every smaller budget would have accepted in that round (accepted_within), and what the chain would
   have (chain_accepted: the chain is the trees' most probable spine). Rounds at the chosen budget keep
   every smaller candidate's estimate current; larger ones are probed: the first round of a run at the largest
-  tree that could still win, later rounds at the next size up from the best, whenever probes have taken less
-  than PROBE_SHARE of the run's time. A run starts from the previous run's estimates (of the same engine), weighted
-  as PRIOR_ROUNDS rounds.
+  tree that could still win, later rounds at the next size up from the best, whenever probing has cost less than
+  PROBE_SHARE of the run's time (a probe's cost: its time less what the best would have taken for its tokens).
+  A run starts from the previous run's estimates (of the same engine), weighted as PRIOR_ROUNDS rounds.
 - A candidate "could still win" while its round, accepting every draft (block_size tokens), would beat the best
   estimate so far. The same bound prunes the calibration: trees whose round is too slow to beat plain decoding
   even when everything is accepted are not timed, compiled or run (a bigger tree costs at least as much).
@@ -25,9 +28,11 @@ Lossless: every round, whichever candidate runs it, commits tokens with the targ
 round's own randomness. Probe rounds are ordinary rounds: their tokens count, and their time is the run's.
 """
 
+import collections
 import contextlib
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -40,12 +45,24 @@ import torch
 import tp
 from settings import AUTO_BUDGETS, Speculation
 
-PROBE_SHARE = 0.05  # probe rounds take at most this share of a run's time (after its first round, a probe)
-EMA_ROUNDS = 16  # an estimate averages about this many recent observations
+PROBE_SHARE = 0.05  # probing costs at most this share of a run's time (after its first round, a probe)
+EMA_ROUNDS = 16  # a tokens-per-round estimate averages about this many recent observations
+COST_WINDOW = 16  # a measured round time is the median of this many recent rounds of its candidate
 PRIOR_ROUNDS = 4  # a new run of the engine starts from the last run's estimates, weighted as this many rounds
+STALE_ROUNDS = 48  # a candidate not run for this many rounds is probed again while it might win...
+PROBE_OPTIMISM = 2.0  # ...that is, while it would win were its round this many times cheaper than estimated
+RENEW_BELOW = 0.7  # a candidate measured under this share of its calibrated time, and of another's: calibrate again
+RENEW_ROUNDS = 2  # rounds of each that such a verdict needs
 CALIBRATE_ROUNDS = 6  # timed rounds per candidate and pass (after two untimed ones)
-CALIBRATE_PASSES = 3  # passes over the candidates; a candidate's cost is the median of its timed rounds
+CALIBRATE_PASSES = 3  # passes over the candidates at least; a candidate's cost is its lowest pass (median of rounds)
+CALIBRATE_MAX_PASSES = 6  # passes at most, while the calibration is not quiet
+QUIET_SPREAD = 1.15  # quiet: each candidate's two lowest passes lie within this factor of each other
 CALIBRATE_PROMPT = 256  # prompt tokens of the calibration's dummy requests
+
+
+def clock() -> float:
+    """Seconds, as budget auto times rounds (a test's simulated device stands its own clock in)."""
+    return time.perf_counter()
 
 
 def cache_file() -> str:
@@ -67,9 +84,9 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}: {name}, {torch.get_num_threads()} threads"
 
 
-# Raised when a change to the engine moves its own round costs, so that calibrations made before are measured
-# again (docs/budget.md says which changes raised it).
-COSTS_VERSION = 3
+# Raised when a change to the engine moves its own round costs, or to the calibration changes what it stores, so
+# that calibrations made before are measured again (docs/budget.md says which changes raised it).
+COSTS_VERSION = 4
 
 
 def cost_key(engine) -> str:
@@ -87,18 +104,28 @@ def cost_key(engine) -> str:
 
 
 def load_costs(key: str) -> dict | None:
-    """This engine's calibration from the cache file, or None: none yet, or a file that cannot be read or used (one
-    warning naming it; the run calibrates again and replaces it). A cache never stops a run."""
+    """This engine's calibration from the cache file (a dict: round_s, the seconds per round of each candidate, and
+    how it was taken: taken, passes, spread, quiet, and renew, why a run found it wrong, or None), or None: none
+    yet, or a file that cannot be read or used (one warning naming it; the run calibrates again and replaces it). A
+    cache never stops a run."""
     path = cache_file()
     everything = read_cache(path)
-    costs = everything.get(key)
-    if costs is None:
+    entry = everything.get(key)
+    if entry is None:
         return None
-    if not (isinstance(costs, dict) and all(is_cost(v, untimed=c != "ar") for c, v in costs.items())):
+    costs = entry.get("round_s") if isinstance(entry, dict) else None
+    if not (isinstance(costs, dict) and costs and all(is_cost(v, untimed=c != "ar") for c, v in costs.items())):
         warnings.warn(f"ignoring the calibration in {path}: its round times are not positive numbers; "
                       f"calibrating again")
         return None
-    return costs
+    how = {**UNKNOWN_HOW, **{k: v for k, v in entry.items() if k in UNKNOWN_HOW}, "round_s": costs}
+    if how["renew"] is not None:  # a run's reason, as a run wrote it (or as someone edited it: still a renewal)
+        how["renew"] = str(how["renew"])
+    return how
+
+
+# How a calibration was taken, where a stored one does not say (one written by hand, or by a test).
+UNKNOWN_HOW = dict(taken=None, passes=None, spread=None, quiet=None, renew=None)
 
 
 def is_cost(value, untimed: bool = True) -> bool:
@@ -128,14 +155,15 @@ def read_cache(path: str) -> dict:
     return everything
 
 
-def save_costs(key: str, costs: dict):
-    """Add one calibration to the cache file (written whole to a temporary file, then renamed into place, so a
-    reader never sees half a file). Where it cannot be written: one warning, and the calibration serves this run."""
+def save_costs(key: str, calibration: dict):
+    """Add one calibration (load_costs' dict) to the cache file (written whole to a temporary file, then renamed
+    into place, so a reader never sees half a file). Where it cannot be written: one warning, and the calibration
+    serves this run."""
     path = cache_file()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # load_costs has said what was wrong with the old file
         everything = read_cache(path)
-    everything[key] = costs
+    everything[key] = calibration
     temporary = f"{path}.{os.getpid()}"
     try:
         if os.path.exists(path) and not os.path.isfile(path):
@@ -151,6 +179,16 @@ def save_costs(key: str, costs: dict):
             os.remove(temporary)
 
 
+def mark_for_renewal(key: str, reason: str):
+    """Mark the stored calibration of `key` as found wrong (load_costs' renew), so that the next run that reads it
+    calibrates again. Nothing when the file holds none (another process replaced it, or it cannot be read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stored = load_costs(key)
+    if stored is not None:
+        save_costs(key, {**stored, "renew": reason})
+
+
 def name(candidate) -> str:
     """"ar", "chain" or the budget, as JSON keys and stats spell them."""
     return str(candidate)
@@ -163,37 +201,52 @@ def round_times(engine, prompt_len: int) -> list[float]:
     engine.start([[1] * prompt_len] * engine.batch, seeds=list(range(engine.batch)))
     times = []
     for i in range(2 + CALIBRATE_ROUNDS):
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.step()
-        times.append(tp.slowest(time.perf_counter() - t0, engine.device))
+        times.append(tp.slowest(clock() - t0, engine.device))
     return times[2:]
 
 
 def calibrate(engines: dict, block_size: int, prompt_len: int) -> dict:
-    """Seconds per round for each candidate: the median over CALIBRATE_PASSES passes over the candidates in turn
-    (so that a slow moment of the machine hits them all alike), in order ar, chain, budgets ascending. A budget
-    whose round cannot beat plain decoding even when every draft is accepted ends the curve: it and the larger
-    budgets are None (not viable). The first pass already stops at a budget twice too slow, so that the largest
-    trees are not timed (nor compiled) for nothing."""
-    times = {c: [] for c in engines}
+    """A calibration (load_costs' dict): seconds per round for each candidate, timed in passes over the candidates
+    in turn, in order ar, chain, budgets ascending. A pass times a candidate's rounds and keeps their median; the
+    candidate's cost is its lowest pass: another job on the machine only ever adds time, so the lowest is the
+    nearest to the round's own. The calibration is quiet when each candidate's two lowest passes agree within
+    QUIET_SPREAD (the machine was quiet in two passes at least, or equally busy in both); while it is not, it takes
+    more passes, up to CALIBRATE_MAX_PASSES, and says so (quiet False) if it never was. A budget whose round
+    cannot beat plain decoding even when every draft is accepted ends the curve: it and the larger budgets are
+    None (not viable). The first pass already stops at a budget twice too slow, so that the largest trees are not
+    timed (nor compiled) for nothing."""
+    passes = {c: [] for c in engines}  # each pass's median round time
+    dropped = set()
 
     def too_slow(candidate, margin):
-        rate_if_all_accepted = block_size / statistics.median(times[candidate])
-        return isinstance(candidate, int) and rate_if_all_accepted * margin <= 1 / statistics.median(times["ar"])
+        return isinstance(candidate, int) and block_size / min(passes[candidate]) * margin <= 1 / min(passes["ar"])
 
-    for passes in range(CALIBRATE_PASSES):
+    while len(passes["ar"]) < CALIBRATE_PASSES or \
+            spread(passes, dropped) > QUIET_SPREAD and len(passes["ar"]) < CALIBRATE_MAX_PASSES:
+        first = not passes["ar"]
         for candidate, engine in engines.items():
-            if times[candidate] is None or passes == 0 and None in times.values():
-                times[candidate] = None
+            if candidate in dropped or first and dropped:
+                dropped.add(candidate)
                 continue
-            times[candidate] += round_times(engine, prompt_len)
-            if passes == 0 and too_slow(candidate, margin=2):
-                times[candidate] = None
+            passes[candidate].append(statistics.median(round_times(engine, prompt_len)))
+            if first and too_slow(candidate, margin=2):
+                dropped.add(candidate)
     costs, ended = {}, False
-    for candidate, t in times.items():
-        ended = ended or t is None or too_slow(candidate, margin=1)
-        costs[name(candidate)] = None if ended and isinstance(candidate, int) else statistics.median(t)
-    return costs
+    for candidate in engines:
+        ended = ended or candidate in dropped or too_slow(candidate, margin=1)
+        costs[name(candidate)] = None if ended and isinstance(candidate, int) else min(passes[candidate])
+    worst = spread(passes, dropped)
+    return dict(round_s=costs, taken=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), passes=len(passes["ar"]),
+                spread=worst, quiet=worst <= QUIET_SPREAD, renew=None)
+
+
+def spread(passes: dict, dropped: set) -> float:
+    """How far the calibration's passes disagree: over the candidates still timed, the largest ratio of a
+    candidate's second-lowest pass to its lowest (1.0: two passes agree exactly; inf before two passes)."""
+    ratios = [sorted(p)[1] / min(p) if len(p) > 1 else float("inf") for c, p in passes.items() if c not in dropped]
+    return max(ratios, default=1.0)
 
 
 def auto_budgets() -> tuple:
@@ -237,6 +290,22 @@ class Estimate:
         self.value = x if self.value is None else self.value + (x - self.value) / min(self.count, EMA_ROUNDS)
 
 
+class RoundTimes:
+    """A candidate's measured round times: their median over its last COST_WINDOW rounds (a slow moment of the
+    machine moves it little), how many were measured, and at which of the engine's rounds the last one ran."""
+
+    def __init__(self):
+        self.recent, self.count, self.at = collections.deque(maxlen=COST_WINDOW), 0, None
+
+    def add(self, seconds: float, at: int):
+        self.recent.append(seconds)
+        self.count, self.at = self.count + 1, at
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self.recent) if self.recent else None
+
+
 class AutoBudget:
     """An engine that runs each round on the candidate with the best expected tokens/s: the Engine interface
     (warm_up, start, step, finish) over one Engine per candidate, all sharing the models' caches. engines: candidate
@@ -247,34 +316,50 @@ class AutoBudget:
         self.any = engines["chain"]  # any engine with the drafter: what the calibration's key is made of
         self.key = cost_key(self.any)
         self.calibrated, self.viable, self.warm = None, [], False
-        self.measured = {c: Estimate() for c in engines}  # seconds per round, measured in runs
+        self.calibration = {}  # how the calibration was taken (load_costs' dict), and why it was made now if it was
+        self.renew_reason = None  # why the next warm-up calibrates again (renew), if it must
+        self.renewing = None  # why this run finds the calibration wrong (then marked for renewal in the file)
+        self.rounds = 0  # rounds this engine has run, over all its runs
+        self.measured = {c: RoundTimes() for c in engines}  # seconds per round, measured in runs
         self.tau = {c: Estimate() for c in engines}  # drafts accepted per round and running request
 
     # -- the Engine interface --------------------------------------------------------------------------------------
 
-    def warm_up(self, recalibrate: bool = False) -> float:
-        """Load this device's calibration (or make it, or with `recalibrate` make it again: seconds reported as
-        stats' calibrate_seconds) and compile the viable candidates; returns the seconds spent, which the run's
-        tokens/s leaves out as it does a compile."""
-        if self.warm and not recalibrate:
+    def renew(self, reason: str):
+        """Calibrate again at the next warm-up (generate(recalibrate=True), `bench.py calibrate`), whatever is
+        stored; `reason` is reported as stats' calibration.renewed_because."""
+        self.renew_reason, self.warm = reason, False
+
+    def warm_up(self) -> float:
+        """Load this device's calibration (or make it: when none is stored, when a run marked the stored one for
+        renewal, or when renew() asked; seconds reported as stats' calibrate_seconds) and compile the viable
+        candidates; returns the seconds spent, which the run's tokens/s leaves out as it does a compile."""
+        if self.warm:
             return 0.0
-        t0 = time.perf_counter()
+        t0 = clock()
         # tensor parallel: rank 0's file decides (the ranks' files may differ), and rank 0 alone writes
-        self.calibrated = None if recalibrate else tp.same_on_every_rank([load_costs(self.key)])[0]
-        self.calibrated_now = self.calibrated is None or set(self.calibrated) != {name(c) for c in self.engines}
+        stored = None if self.renew_reason else tp.same_on_every_rank([load_costs(self.key)])[0]
+        why = self.renew_reason or ("none stored" if stored is None else
+                                    "other candidates stored" if set(stored["round_s"]) != set(map(name, self.engines))
+                                    else stored["renew"])
+        self.calibrated_now = why is not None
         if self.calibrated_now:
             prompt_len = max(1, min(CALIBRATE_PROMPT, self.any.max_seq_len - self.scratch()))
-            self.calibrated = calibrate(self.engines, self.block_size, prompt_len)
+            stored = calibrate(self.engines, self.block_size, prompt_len)
             if tp.rank() == 0:
-                save_costs(self.key, self.calibrated)
-        self.calibrate_seconds = time.perf_counter() - t0 if self.calibrated_now else 0.0
+                save_costs(self.key, stored)
+        self.calibrated = stored["round_s"]
+        self.calibration = {k: stored[k] for k in ("taken", "passes", "spread", "quiet")} | \
+            dict(renewed_because=why)
+        self.renew_reason, self.renewing = None, None
+        self.calibrate_seconds = clock() - t0 if self.calibrated_now else 0.0
         ar = self.calibrated["ar"]
         self.viable = [c for c in self.engines if c == "ar" or (
             self.calibrated[name(c)] is not None and self.block_size / self.calibrated[name(c)] > 1 / ar)]
         for c in self.viable:
             self.engines[c].warm_up()
         self.warm = True
-        return time.perf_counter() - t0
+        return clock() - t0
 
     def scratch(self) -> int:
         """Slots the calibration's rounds need past its prompt: a verify and a block per round, and what they
@@ -309,9 +394,9 @@ class AutoBudget:
         running = [g is not None for g in self.current.requests.generators]
         catch_up = self.keep_drafter_context(engine, running)
         engine.adopt(self.current.requests)  # the caches are shared: the requests are all there is to hand over
-        t0 = time.perf_counter()
+        t0 = clock()
         new = engine.step()
-        seconds = tp.slowest(time.perf_counter() - t0, engine.device)
+        seconds = tp.slowest(clock() - t0, engine.device)
         self.current = engine
         # A request whose draws were not sound (None) ends now, and its round tells nothing.
         running = [r and tokens is not None for r, (tokens, _) in zip(running, new)]
@@ -319,9 +404,11 @@ class AutoBudget:
             if running[i]:
                 self.history[i] += tokens
         self.schedule.append(name(candidate))
+        self.rounds += 1
         if not any(running):  # the batch's last round
             return new
         self.observe(candidate, engine, running, seconds)
+        self.check_calibration()
         # Catching up to switch back to speculation is exploring too: it counts against PROBE_SHARE.
         self.seconds += seconds + catch_up
         self.catch_up_seconds += catch_up
@@ -343,18 +430,20 @@ class AutoBudget:
             self.drafter_behind = positions
         if engine.drafter is None or self.drafter_behind is None:
             return 0.0
-        t0 = time.perf_counter()
+        t0 = clock()
         missed = [h[b:p] if r else [] for h, b, p, r in zip(self.history, self.drafter_behind, positions, running)]
         starts = [b if m else p for m, b, p in zip(missed, self.drafter_behind, positions)]
         pad = engine.batch - len(missed)  # rows past the requests: a dummy row each
         catch_up(engine, missed + [[]] * pad, starts + [0] * pad)
         self.drafter_behind = None
-        return tp.slowest(time.perf_counter() - t0, engine.device)
+        return tp.slowest(clock() - t0, engine.device)
 
     def choose(self):
-        """(candidate, whether it is a probe): the best estimate, or a probe of a larger candidate that could still
-        win, in the run's first round and whenever probes have taken less than PROBE_SHARE of the run's time."""
-        if not self.schedule or self.probe_seconds < PROBE_SHARE * self.seconds:
+        """(candidate, whether it is a probe): the best estimate, or a probe (probe_candidate), in the run's first
+        round and whenever probing has cost less than PROBE_SHARE of the run's time: the probes' overhead (their
+        time less what the best candidate would have taken for their tokens; a probe that turns out faster costs
+        nothing) and the catch-ups."""
+        if not self.schedule or self.probe_overhead + self.catch_up_seconds < PROBE_SHARE * self.seconds:
             probe = self.probe_candidate(first=not self.schedule)
             if probe is not None:
                 return probe, True
@@ -370,7 +459,7 @@ class AutoBudget:
     def observe(self, candidate, engine, running, seconds):
         """Fold one round into the estimates: its time into its candidate's cost; its acceptance into its own
         estimate and, for a tree, every smaller budget's and the chain's."""
-        self.measured[candidate].add(seconds)
+        self.measured[candidate].add(seconds, at=self.rounds)
         if candidate == "chain":
             self.tau["chain"].add(self.mean(engine.last_lengths, running) - 1)
         elif candidate != "ar":
@@ -379,13 +468,42 @@ class AutoBudget:
                 self.tau[b].add(self.mean([t[j] for t in engine.last_tally], running))
 
     def cost(self, candidate) -> float:
-        """Seconds per round: this run's measurement, else the calibration scaled by how far this run's measured
-        candidates moved from theirs."""
+        """Seconds per round: as measured in this engine's runs, else the calibration scaled by drift()."""
         if self.measured[candidate].value is not None:
             return self.measured[candidate].value
-        ratios = [e.value / self.calibrated[name(c)] for c, e in self.measured.items()
-                  if e.value is not None and self.calibrated[name(c)] is not None]
-        return self.calibrated[name(candidate)] * (statistics.median(ratios) if ratios else 1.0)
+        return self.calibrated[name(candidate)] * self.drift(candidate)
+
+    def drift(self, candidate) -> float:
+        """How far measured round times moved from their calibration, for a candidate not measured yet: the median
+        ratio over the measured candidates of its kind (plain decoding; or a speculative round, the drafter and a
+        verify), or over every measured one while none of its kind is (the context has grown, the machine is
+        busier). By kind, because a calibration taken while the machine was busy may be wrong for one kind and
+        right for the other."""
+        ratios = {c: t.value / self.calibrated[name(c)] for c, t in self.measured.items()
+                  if t.value is not None and self.calibrated[name(c)] is not None}
+        alike = [r for c, r in ratios.items() if (c == "ar") == (candidate == "ar")] or list(ratios.values())
+        return statistics.median(alike) if alike else 1.0
+
+    def check_calibration(self):
+        """Whether this engine's rounds show its calibration wrong: a candidate measured over RENEW_ROUNDS rounds at
+        least under RENEW_BELOW of its calibrated time, and under RENEW_BELOW of another candidate's measured share
+        of its own. A run's noise only adds time, so the first was calibrated while the machine was busier;
+        relative to another, because a context shorter or longer than the calibration's moves every candidate's
+        rounds alike. If so, once: the stored calibration is marked for renewal (the next run that
+        reads it calibrates again), and the report says why."""
+        if self.renewing is not None:
+            return
+        ratios = {c: t.value / self.calibrated[name(c)] for c, t in self.measured.items()
+                  if t.count and self.calibrated[name(c)] is not None}
+        settled = [c for c in ratios if self.measured[c].count >= RENEW_ROUNDS]
+        if len(ratios) < 2 or not settled:
+            return
+        low, high = min(settled, key=ratios.get), max(ratios, key=ratios.get)
+        if ratios[low] < RENEW_BELOW and ratios[low] < RENEW_BELOW * ratios[high]:
+            self.renewing = " and ".join(f"{name(c)} at {1e3 * self.measured[c].value:.2f} ms a round against "
+                                         f"{1e3 * self.calibrated[name(c)]:.2f} calibrated" for c in (low, high))
+            if tp.rank() == 0:
+                mark_for_renewal(self.key, self.renewing)
 
     def tokens(self, candidate) -> float | None:
         """Expected tokens per round (accepted drafts and the target's own token); None while unknown."""
@@ -394,22 +512,34 @@ class AutoBudget:
         value = self.tau[candidate].value
         return None if value is None else 1.0 + value
 
+    def rate(self, candidate) -> float:
+        """Expected tokens per second per request (tokens must be known)."""
+        return self.tokens(candidate) / self.cost(candidate)
+
     def best(self):
-        known = [c for c in self.viable if self.tokens(c) is not None]
-        return max(known, key=lambda c: self.tokens(c) / self.cost(c))
+        return max((c for c in self.viable if self.tokens(c) is not None), key=self.rate)
 
     def probe_candidate(self, first: bool):
-        """The candidate to probe, if any: a tree larger than the best (whose own rounds inform every smaller
-        candidate) that could still beat the best were it to accept every draft. The first probe of a run takes the
-        largest such tree, which informs every candidate that could win; later ones the next size up from the best,
-        which costs the least and lets the choice climb while bigger trees pay off."""
+        """The candidate to probe, if any, for what it would accept or for what it costs.
+
+        What it would accept: a tree larger than the best (whose own rounds inform every smaller candidate) that
+        could still beat the best were it to accept every draft. The first probe of a run takes the largest such
+        tree, which informs every candidate that could win; later ones the next size up from the best, which costs
+        the least and lets the choice climb while bigger trees pay off.
+        What it costs: a candidate not run for STALE_ROUNDS rounds that would beat the best were its round
+        PROBE_OPTIMISM times cheaper than estimated (an estimate from a calibration or from rounds measured while
+        the machine was busy is too high, and only running the candidate again can show it).
+        After the first probe, of these the one that ran longest ago."""
         best = self.best()
-        rate = self.tokens(best) / self.cost(best)
+        rate = self.rate(best)
         larger = [c for c in self.viable if isinstance(c, int) and (not isinstance(best, int) or c > best)]
         within_reach = [c for c in larger if self.block_size / self.cost(c) > rate]
-        if not within_reach:
-            return None
-        return within_reach[-1] if first else within_reach[0]
+        if first:
+            return within_reach[-1] if within_reach else None
+        last_ran = {c: -math.inf if t.at is None else t.at for c, t in self.measured.items()}
+        stale = [c for c in self.viable if c != best and self.tokens(c) is not None and
+                 self.rounds - last_ran[c] > STALE_ROUNDS and PROBE_OPTIMISM * self.rate(c) > rate]
+        return min(within_reach[:1] + stale, key=last_ran.get, default=None)
 
     def curve(self) -> dict:
         """The calibration as scripts print it: per candidate, seconds per round (None: not timed, or too slow to
@@ -433,8 +563,10 @@ class AutoBudget:
 
     def report(self) -> dict:
         """stats["auto"]: the choice, each candidate's estimates (tokens per round and tokens/s per request, round
-        time this run and calibrated), the rounds each ran, the probing and its overhead (its rounds' time less
-        what the best candidate would have taken for their tokens), and the calibration."""
+        time as estimated now and as calibrated, and the rounds of it this engine has timed), the rounds each ran,
+        the probing and its overhead (its rounds' time less what the best candidate would have taken for their
+        tokens), and the calibration: how it was taken, why it was made now (if it was), and why this run found
+        it wrong (if it did: the next run calibrates again)."""
         counts = {c: self.schedule.count(c) for c in dict.fromkeys(self.schedule)}
         best = self.best()
         return dict(
@@ -443,12 +575,14 @@ class AutoBudget:
             probe_overhead_seconds=self.probe_overhead,
             catch_up_seconds=self.catch_up_seconds,
             calibrated_now=self.calibrated_now, calibrate_seconds=self.calibrate_seconds, cost_file=cache_file(),
+            calibration=self.calibration | dict(renew=self.renewing),
             candidates={name(c): dict(
                 viable=c in self.viable, tokens_per_round=self.tokens(c),
                 round_ms=None if self.calibrated[name(c)] is None else 1e3 * self.cost(c),
                 calibrated_ms=None if self.calibrated[name(c)] is None else 1e3 * self.calibrated[name(c)],
+                timed_rounds=self.measured[c].count,
                 tokens_per_s=None if self.tokens(c) is None or self.calibrated[name(c)] is None
-                else self.tokens(c) / self.cost(c))
+                else self.rate(c))
                 for c in self.engines})
 
 

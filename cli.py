@@ -22,7 +22,8 @@ from drafter import DFlashDrafter
 from memory import memory_line, memory_per_token
 from model import Qwen3
 from sampler import Sampling
-from settings import AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, check_applies, check_int, check_sampling, grouped
+from settings import (AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, check_applies, check_int, check_recalibrate,
+                      check_sampling, grouped)
 from text import Streamer, Text
 import tp
 
@@ -46,6 +47,9 @@ def parse_args(argv):
                                                   "'auto': the fastest of plain decoding, the chain and trees of "
                                                   f"{', '.join(map(str, AUTO_BUDGETS))} nodes, measured on this "
                                                   "device")
+    p.add_argument("--recalibrate", action="store_true", default=None,
+                   help="with --budget auto: measure the candidates' round times again (on a quiet machine) and "
+                        "store them, instead of reading the stored calibration")
     p.add_argument("--max-new-tokens", default="256")
     p.add_argument("--temperature", default="0", help="0 (default) = greedy")
     p.add_argument("--top-k", default=None, help="sampling: keep the k most probable tokens")
@@ -110,12 +114,13 @@ def settings_from_args(args) -> dict:
                   draft_temperature=as_float("--draft-temperature", args.draft_temperature),
                   denoise_steps=as_int("--denoise-steps", args.denoise_steps),
                   draft_sampling=args.draft_sampling, show_tree=args.show_tree,
-                  draft_window=as_int("--draft-window", args.draft_window))
+                  draft_window=as_int("--draft-window", args.draft_window), recalibrate=args.recalibrate)
     given = {k: v for k, v in values.items() if v is not None}
     flags = set(given) | ({"draft"} if args.draft is not None else set())
     check_sampling(Sampling(given["temperature"], given.get("top_k", 0), given.get("top_p", 1.0),
                             given.get("min_p", 0.0)))
     check_applies(args.method, given["temperature"] == 0, sorted(flags), spell=lambda n: "--" + n.replace("_", "-"))
+    check_recalibrate(given.get("recalibrate", False), given.get("budget"))
     return given
 
 
@@ -193,14 +198,23 @@ def run_cli(args) -> int:
 
 
 def auto_summary(a: dict) -> str:
-    """Budget auto's line under the CLI summary: what ran, the estimates, probing and calibration."""
+    """Budget auto's line under the CLI summary: what ran, the estimates and the round times they come from
+    (estimated now / calibrated), probing, and the calibration: when it was taken, why it was taken again, and
+    whether this run found it wrong (then the next run calibrates again)."""
     ran = ", ".join(f"{c} x{n}" for c, n in a["rounds_per_candidate"].items())
-    rates = ", ".join(f"{c} {v['tokens_per_s']:.0f}" for c, v in a["candidates"].items()
-                      if v["tokens_per_s"] is not None)
-    calibration = f"calibrated in {a['calibrate_seconds']:.1f} s" if a["calibrated_now"] else "calibration"
-    return (f"auto: best {a['choice']}; rounds run: {ran}; estimated tokens/s per request: {rates}; "
-            f"{a['probe_rounds']} probe rounds ({a['probe_overhead_seconds'] * 1e3:+.0f} ms against the best); "
-            f"{calibration} in {a['cost_file']}")
+    rates = ", ".join(f"{c} {v['tokens_per_s']:.0f} ({v['round_ms']:.1f}/{v['calibrated_ms']:.1f} ms)"
+                      for c, v in a["candidates"].items() if v["tokens_per_s"] is not None)
+    how = a["calibration"]
+    if a["calibrated_now"]:
+        calibration = f"calibrated in {a['calibrate_seconds']:.1f} s ({how['renewed_because']})"
+    else:
+        calibration = f"calibration of {how['taken'] or 'unknown date'}"
+    if how["quiet"] is False:
+        calibration += ", taken while the machine was busy"
+    renew = f"; this run measured {how['renew']}: the next run calibrates again" if how["renew"] else ""
+    return (f"auto: best {a['choice']}; rounds run: {ran}; estimated tokens/s per request (ms a round now/"
+            f"calibrated): {rates}; {a['probe_rounds']} probe rounds ({a['probe_overhead_seconds'] * 1e3:+.0f} ms "
+            f"against the best); {calibration} in {a['cost_file']} (--recalibrate: take it again){renew}")
 
 
 def format_tree(tokens, parents, accepted_rows=None, decode=lambda t: str(t), probs=None, root="<bonus>"):
@@ -439,7 +453,7 @@ def say(line: str):
 # The API's parameter names that are CLI flags of another spelling: the command line speaks in flags.
 FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "max_new_tokens", "top_k", "top_p", "min_p", "temperature", "budget", "draft_temperature", "draft_sampling",
-    "denoise_steps", "show_tree", "draft_window", "seed")} | {"max_batch": "--batch-size"}
+    "denoise_steps", "show_tree", "draft_window", "seed", "recalibrate")} | {"max_batch": "--batch-size"}
 
 
 def in_flags(message: str) -> str:

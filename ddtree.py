@@ -46,7 +46,7 @@ from gated_delta import Recurrent
 from model import Qwen3
 from rope import position_limit
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
-from settings import Speculation, check_models, check_request, check_settings, verify_rows
+from settings import Speculation, check_models, check_recalibrate, check_request, check_settings, verify_rows
 from tree_attn import PrefixMask, compact_kv, round_up
 
 # Eager FlexAttention (eager engines on CUDA; on the CPU, cpu.EAGER_CPU_ATTENTION = "flex") warns that it materializes
@@ -69,13 +69,15 @@ DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets
 def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
              budget: int | str | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop_ids=None,
-             compile: bool | str = False, on_tokens=None, speculation: Speculation | None = None) -> Result:
+             compile: bool | str = False, on_tokens=None, speculation: Speculation | None = None,
+             recalibrate: bool = False) -> Result:
     """Generate up to `max_new_tokens` after `prompt_ids` (a list of ints or a 1-D integer tensor): the
     one-request case of generate_batch.
 
     budget: ddtree's tree size (default 512), or "auto": each round runs the candidate (plain decoding, the chain,
     or a tree of settings.AUTO_BUDGETS nodes) with the best tokens/s measured on this device (budget.py; its
-    estimates in stats["auto"]). temperature, top_k, top_p, min_p: how the target's tokens are drawn, warped in
+    estimates in stats["auto"]; recalibrate=True measures its round times again instead of reading the stored
+    calibration, docs/budget.md). temperature, top_k, top_p, min_p: how the target's tokens are drawn, warped in
     Hugging Face's order (temperature 0 = greedy). speculation: how rounds draft beyond the budget
     (settings.Speculation: draft_temperature, draft_sampling, denoise_steps, show_tree). on_tokens(list[int]) is
     called with the tokens each round emits (for streaming). A setting that cannot apply to the method (or
@@ -94,14 +96,14 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
         raise TypeError(f"on_tokens must be a function of a list of token ids, got {on_tokens!r}")
     return generate_batch(target, drafter, [prompt_ids], method, budget, max_new_tokens, temperature, top_k, top_p,
                           min_p, [seed], stop_ids, compile, on_tokens and (lambda i, new: on_tokens(new)), speculation,
-                          max_batch=1)[0]
+                          max_batch=1, recalibrate=recalibrate)[0]
 
 
 def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=(), method: str = "ddtree",
                    budget: int | str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seeds=None, stop_ids=None,
                    compile: bool | str = False, on_tokens=None, speculation: Speculation | None = None,
-                   max_batch: int = 16, on_result=None) -> list[Result]:
+                   max_batch: int = 16, on_result=None, recalibrate: bool = False) -> list[Result]:
     """generate() for many independent requests at once: one Result per prompt, in order.
 
     The requests run together, up to `max_batch` at a time, each with its own committed length, tree, RoPE
@@ -117,15 +119,22 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
     Other settings and stats: as generate().
     """
     sampling, spec = check_settings(method, Sampling(temperature, top_k, top_p, min_p), budget, speculation)
+    check_recalibrate(recalibrate, spec.budget)
     check_models(target, drafter, method)
     with models_in_use(target, drafter):
         prompts, seeds, stop = check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens,
                                              spec, compile, on_tokens, max_batch, on_result)
 
+        renewed = []  # recalibrate: the budget-auto engines this call has calibrated again
+
         def engine_for(longest: int, batch_size: int):  # for a wave whose longest prompt has this length
             budgets = auto_budgets() if spec.budget == "auto" else ()
             length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets, target.device.type)
-            return get_engine(target, drafter, method, sampling, spec, length, compile, batch_size, budgets)
+            engine = get_engine(target, drafter, method, sampling, spec, length, compile, batch_size, budgets)
+            if recalibrate and not any(e is engine for e in renewed):
+                engine.renew("asked for (recalibrate)")
+                renewed.append(engine)
+            return engine
 
         with torch.inference_mode():
             results = batch.run(engine_for, prompts, seeds, stop, max_new_tokens, max_batch, on_tokens, on_result,

@@ -100,6 +100,14 @@ def check_settings(method, sampling, budget, speculation) -> tuple:
     return sampling, replace(spec, budget=budget, draft_temperature=draft_temperature)
 
 
+def check_recalibrate(recalibrate, budget):
+    """recalibrate is True or False, and True only with budget "auto", the one setting that reads a calibration."""
+    if not isinstance(recalibrate, bool):
+        raise TypeError(f"recalibrate must be True or False, got {shown(recalibrate)}")
+    if recalibrate and budget != "auto":
+        raise ValueError("recalibrate goes with budget 'auto': it measures the round times auto chooses by again")
+
+
 def real(name: str, value, error=ValueError) -> float:
     """A real number as a float (an int as large as 2**64 would overflow in the kernels)."""
     # bool is an int subclass, but `temperature=True` is certainly a mistake; numbers.Real takes numpy's scalars

@@ -146,7 +146,8 @@ def test_hybrid_budget_auto_equals_ar_through_every_switch(pair, monkeypatch):
     _, target, drafter, _ = pair
     monkeypatch.setattr(budget, "AUTO_BUDGETS", (2, 6))
     # the schedule is forced: the calibration's timings would choose nothing here
-    monkeypatch.setattr(budget, "calibrate", lambda engines, *_: {budget.name(c): 0.01 for c in engines})
+    monkeypatch.setattr(budget, "calibrate",
+                        lambda engines, *_: dict(budget.UNKNOWN_HOW, round_s={budget.name(c): 0.01 for c in engines}))
     cycle = itertools.cycle(["ar", "chain", 6, "ar", "ar", 2, "chain", "ar", 6, 6, 2])
     monkeypatch.setattr(budget.AutoBudget, "choose", lambda self: (next(cycle), False))
     ps = prompts(3, seed=5)
