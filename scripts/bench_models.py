@@ -27,7 +27,7 @@ from benchlib import (ROOT, batched_run, best_of, cpu_name, held_out_code, in_fr
                       positive_int, save_random_pair, status_mb, tree_verify, verify_ms, write_json)
 import ddtree
 import gated_delta
-from budget import auto_budgets, cache_file, device_name
+from budget import AutoBudget, auto_budgets, cache_file, device_name, load_costs, save_costs
 from checkpoints import dflash_config, moe_config, qwen3_config, random_dflash_weights, random_qwen3_weights, \
     save_checkpoint
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Engine, cache_length, generate
@@ -66,10 +66,27 @@ def pair_options(p):
     p.add_argument("--only-batches", action="store_true", help="run the batched section alone")
     p.add_argument("--only-auto", action="store_true", help="run budget auto beside the fixed choices, alone")
     p.add_argument("--auto-passes", type=positive_int, default=2)
+    p.add_argument("--recalibrate", action="store_true", help="--only-auto: auto's warm-up calibrates anew instead of "
+                   "reading the stored calibration")
+    p.add_argument("--plant-costs", type=planting_factor, default=None, metavar="FACTOR",
+                   help="--only-auto: after a fresh calibration, also run 'auto-planted': budget auto with the stored "
+                        "round times of the chain and every tree at FACTOR times the calibration's (plain decoding's "
+                        "as calibrated), stored again before each of its runs")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every method runs in it")
     p.add_argument("--threads", type=positive_int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench_pair")
+
+
+def planting_factor(text: str) -> float:
+    """argparse's type for --plant-costs: a finite number above 0, refused while the options are parsed."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {value}")
+    return value
 
 
 def pair(a):
@@ -80,6 +97,7 @@ def pair(a):
                                      [--dtype bfloat16] [--out runs/bench_pair]
         python scripts/bench.py pair --compile --only-batches [--batches 1 4 16] [--batch-budget 16]
         python scripts/bench.py pair [--compile] --only-auto [--budgets 4 16 64 256 512] [--auto-passes 2]
+                                     [--recalibrate] [--plant-costs 2]
 
     tau is reported two ways: over whole greedy generations from held-out code, and one speculative step from many real
     held-out contexts (greedy generations of a tiny model fall into loops a drafter learns to copy, which inflates tau
@@ -228,53 +246,91 @@ def auto_section(target, drafter, text, a) -> dict:
     """budget auto beside every fixed choice it picks among (AR, the chain, each budget) on held-out prompts, in one
     run, interleaved prompt by prompt over --auto-passes passes (after one warm-up call each: compiling, and auto's
     calibration): tokens/s over all prompts (auto's probing included), tau, seconds per round; auto's own estimates
-    beside the measured ones; a plot of tau(B), cost(B) and tokens/s(B) with auto's choice marked."""
+    beside the measured ones; a plot of tau(B), cost(B) and tokens/s(B) with auto's choice marked. Every auto run
+    is a new engine that reads the cost cache, as a new process does. --plant-costs F adds "auto-planted": the
+    same runs from a stored calibration whose chain and trees cost F times what the fresh one measured (plain
+    decoding as measured), as a calibration taken while another job loaded the machine does (issue 65); it is
+    stored again before each of its runs, so that only what a run measures itself can correct it."""
     prompts = held_out_code(text, a.prompts, 64, 160, a.seed)
     configs = {"ar": dict(method="ar"), "chain": dict(method="dflash")}
     configs.update({str(b): dict(method="ddtree", budget=b) for b in a.budgets})
     configs["auto"] = dict(method="ddtree", budget="auto")
+    if a.plant_costs:
+        configs["auto-planted"] = dict(method="ddtree", budget="auto")
+    load = os.getloadavg()
     print(f"budget auto: {a.prompts} held-out prompts x {a.new_tokens} new tokens (greedy), "
-          f"{compiled_as(a)}, {a.auto_passes} interleaved passes")
-    warm, totals, reports = auto_runs(target, drafter, prompts, configs, a)
+          f"{compiled_as(a)}, {a.auto_passes} interleaved passes; load average {load[0]:.2f} at the start")
+    warm, totals, reports, planted = auto_runs(target, drafter, prompts, configs, a)
     rows = {name: dict(tokens_per_s=t["tokens"] / t["seconds"], tau=(t["tokens"] - 1) / t["rounds"],
                        round_ms=1e3 * t["seconds"] / t["rounds"], warm_up_s=warm[name]) for name, t in totals.items()}
-    fixed = {k: v for k, v in rows.items() if k != "auto"}
+    fixed = {k: v for k, v in rows.items() if not k.startswith("auto")}
     best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
-    ran, estimates = auto_estimates(reports)
+    ran, estimates = auto_estimates(reports["auto"])
     print_auto_table(rows, estimates, ran)
-    ratio = rows["auto"]["tokens_per_s"] / rows[best]["tokens_per_s"]
-    probes = sum(r["probe_rounds"] for r in reports)
-    overhead = sum(r["probe_overhead_seconds"] for r in reports)
-    print(f"auto {rows['auto']['tokens_per_s']:.1f} tokens/s = {ratio:.2f}x the best fixed choice ({best}, "
-          f"{rows[best]['tokens_per_s']:.1f}); {probes} probe rounds of {totals['auto']['rounds']}, overhead "
-          f"{overhead:.3f} s of {totals['auto']['seconds']:.2f} s; warm-up (calibrate + compile) "
-          f"{warm['auto']:.1f} s", flush=True)
+    out = dict(rows=rows, best_fixed=best, estimates=estimates, rounds_run=ran, load_average=[load, os.getloadavg()])
+    for name, runs in reports.items():
+        ratio = rows[name]["tokens_per_s"] / rows[best]["tokens_per_s"]
+        probes = sum(r["probe_rounds"] for r in runs)
+        overhead = sum(r["probe_overhead_seconds"] for r in runs)
+        renewals = sum(r["calibration"]["renew"] is not None for r in runs)
+        print(f"{name} {rows[name]['tokens_per_s']:.1f} tokens/s = {ratio:.2f}x the best fixed choice ({best}, "
+              f"{rows[best]['tokens_per_s']:.1f}); {probes} probe rounds of {totals[name]['rounds']}, overhead "
+              f"{overhead:.3f} s of {totals[name]['seconds']:.2f} s; rounds run: {auto_estimates(runs)[0]}; "
+              f"{renewals} of {len(runs)} runs marked the calibration for renewal", flush=True)
+        out[name] = dict(over_best=ratio, probe_rounds=probes, probe_overhead_seconds=overhead,
+                         rounds_run=auto_estimates(runs)[0], renewals=renewals)
+    out["auto_over_best"] = out["auto"]["over_best"]
+    if planted:
+        out["planted_ms"] = {c: None if v is None else 1e3 * v for c, v in planted["round_s"].items()}
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
     auto_plot(rows, estimates, ran, a.budgets, os.path.join(a.out, "auto.png"))
-    return dict(rows=rows, best_fixed=best, auto_over_best=ratio, estimates=estimates, rounds_run=ran,
-                probe_rounds=probes, probe_overhead_seconds=overhead)
+    return out
 
 
 def auto_runs(target, drafter, prompts, configs, a) -> tuple:
-    """(warm-up seconds, totals, auto's reports) of every config over the prompts, interleaved prompt by prompt."""
+    """(warm-up seconds, totals, auto's reports per auto config, the planted calibration or None) of every config
+    over the prompts, interleaved prompt by prompt. Each auto config's runs start from its own stored calibration:
+    "auto" from what its own runs left (a calibration they renewed included), "auto-planted" from the planted one."""
     common = dict(max_new_tokens=a.new_tokens, stop_ids=[], compile=a.compile)
+    stored, key = {}, None
 
-    def run(kw, prompt):
-        return generate(target, None if kw["method"] == "ar" else drafter, prompt, **grouped(dict(common, **kw)))
+    def run(name, kw, prompt, **extra):
+        nonlocal key
+        if name.startswith("auto"):
+            ddtree._ENGINES.clear()  # a new engine reads the cost cache, as a new process does
+            if name in stored:
+                save_costs(key, stored[name])
+        res = generate(target, None if kw["method"] == "ar" else drafter, prompt,
+                       **grouped(dict(common, **kw, **extra)))
+        if name == "auto":
+            engine = next(e for e in ddtree._ENGINES.values() if isinstance(e, AutoBudget))
+            if key is not None and engine.key != key:
+                raise ValueError("the prompts' budget-auto runs have different cost keys: give prompts of one cache "
+                                 "size")
+            key = engine.key
+            stored["auto"] = load_costs(key)
+        return res
 
-    warm = {name: run(kw, prompts[0]).stats["compile_seconds"] for name, kw in configs.items()}
+    fresh = a.recalibrate or bool(a.plant_costs)
+    warm = {name: run(name, kw, prompts[0], **(dict(recalibrate=True) if name == "auto" and fresh else {}))
+            .stats["compile_seconds"] for name, kw in configs.items() if name != "auto-planted"}
+    if a.plant_costs:
+        stored["auto-planted"] = dict(stored["auto"], renew=None, round_s={
+            c: v if c == "ar" or v is None else a.plant_costs * v for c, v in stored["auto"]["round_s"].items()})
+        warm["auto-planted"] = run("auto-planted", configs["auto-planted"], prompts[0]).stats["compile_seconds"]
     totals = {name: dict(tokens=0, seconds=0.0, rounds=0) for name in configs}
-    reports = []
+    reports = {name: [] for name in configs if name.startswith("auto")}
     for _ in range(a.auto_passes):
         for prompt in prompts:
             for name, kw in configs.items():
-                res = run(kw, prompt)
+                res = run(name, kw, prompt)
                 t = totals[name]
                 t["tokens"] += res.stats["new_tokens"]
                 t["seconds"] += res.stats["seconds"]
                 t["rounds"] += res.stats["rounds"]
-                if name == "auto":
-                    reports.append(res.stats["auto"])
-    return warm, totals, reports
+                if name in reports:
+                    reports[name].append(res.stats["auto"])
+    return warm, totals, reports, stored.get("auto-planted")
 
 
 def auto_estimates(reports) -> tuple:
@@ -298,7 +354,7 @@ def print_auto_table(rows, estimates, ran):
         fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
         print(f"{name:>6s} {r['tau']:6.2f} {r['round_ms']:9.2f} {r['tokens_per_s']:8.1f}   {'':17s}"
               f"{fmt(e.get('tokens_per_round'), '6.2f'):>6s} {fmt(e.get('round_ms'), '9.2f'):>9s} "
-              f"{fmt(e.get('calibrated_ms'), '10.2f'):>10s} {ran.get(name, 0) if name != 'auto' else '':>10}")
+              f"{fmt(e.get('calibrated_ms'), '10.2f'):>10s} {'' if name.startswith('auto') else ran.get(name, 0):>10}")
 
 
 def mean(values):
@@ -1215,7 +1271,8 @@ def calibrate(a):
     with torch.inference_mode():
         engine = ddtree.get_engine(target, drafter, "ddtree", sampling, spec, length, a.compile, a.batch,
                                    auto=budgets)
-        seconds = engine.warm_up(recalibrate=True)
+        engine.renew("asked for (bench.py calibrate)")
+        seconds = engine.warm_up()
     print(f"{device_name(target.device)}; torch {torch.__version__}, {target.dtype}, "
           f"{'compiled' if a.compile else 'eager'}, batch {a.batch}, {length} cache slots; calibrated in "
           f"{engine.calibrate_seconds:.1f} s ({seconds:.1f} s with compiling the viable candidates)")
