@@ -409,6 +409,7 @@ class AutoBudget:
             return new
         self.observe(candidate, engine, running, seconds)
         self.check_calibration()
+        self.admit_viable()
         # Catching up to switch back to speculation is exploring too: it counts against PROBE_SHARE.
         self.seconds += seconds + catch_up
         self.catch_up_seconds += catch_up
@@ -484,6 +485,15 @@ class AutoBudget:
         alike = [r for c, r in ratios.items() if (c == "ar") == (candidate == "ar")] or list(ratios.values())
         return statistics.median(alike) if alike else 1.0
 
+    def admit_viable(self):
+        """Add to the viable candidates those that could now beat plain decoding accepting every draft, at the round
+        times estimated now (a calibration that stored them too slow left them out), among the engines warmed up
+        (all of them when eager; compiled, only those viable at the warm-up: the others would compile mid-run, and
+        come back when the calibration is renewed). None leaves: a slow moment must not shut a candidate out."""
+        rate = 1 / self.cost("ar")
+        self.viable = [c for c, e in self.engines.items() if c in self.viable or (
+            e.warm and self.calibrated[name(c)] is not None and self.block_size / self.cost(c) > rate)]
+
     def check_calibration(self):
         """Whether this engine's rounds show its calibration wrong: a candidate measured over RENEW_ROUNDS rounds at
         least under RENEW_BELOW of its calibrated time, and under RENEW_BELOW of another candidate's measured share
@@ -525,7 +535,8 @@ class AutoBudget:
         What it would accept: a tree larger than the best (whose own rounds inform every smaller candidate) that
         could still beat the best were it to accept every draft. The first probe of a run takes the largest such
         tree, which informs every candidate that could win; later ones the next size up from the best, which costs
-        the least and lets the choice climb while bigger trees pay off.
+        the least and lets the choice climb while bigger trees pay off. A candidate whose acceptance is not known
+        yet and that could win so (the chain, when no tree is viable) is probed too.
         What it costs: a candidate not run for STALE_ROUNDS rounds that would beat the best were its round
         PROBE_OPTIMISM times cheaper than estimated (an estimate from a calibration or from rounds measured while
         the machine was busy is too high, and only running the candidate again can show it).
@@ -534,12 +545,14 @@ class AutoBudget:
         rate = self.rate(best)
         larger = [c for c in self.viable if isinstance(c, int) and (not isinstance(best, int) or c > best)]
         within_reach = [c for c in larger if self.block_size / self.cost(c) > rate]
+        # the chain when no tree is viable: nothing else would tell what it accepts
+        unknown = [c for c in self.viable if self.tokens(c) is None and self.block_size / self.cost(c) > rate]
         if first:
-            return within_reach[-1] if within_reach else None
+            return within_reach[-1] if within_reach else next(iter(unknown), None)
         last_ran = {c: -math.inf if t.at is None else t.at for c, t in self.measured.items()}
         stale = [c for c in self.viable if c != best and self.tokens(c) is not None and
                  self.rounds - last_ran[c] > STALE_ROUNDS and PROBE_OPTIMISM * self.rate(c) > rate]
-        return min(within_reach[:1] + stale, key=last_ran.get, default=None)
+        return min(within_reach[:1] + unknown + stale, key=last_ran.get, default=None)
 
     def curve(self) -> dict:
         """The calibration as scripts print it: per candidate, seconds per round (None: not timed, or too slow to

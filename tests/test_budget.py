@@ -306,6 +306,29 @@ def test_a_cost_estimated_too_high_is_corrected_by_its_kind_and_probed(pair):
     assert engine.cost(6) == 3.0 and engine.cost("chain") == 2.0 and engine.cost("ar") == 1.0
 
 
+def test_a_calibration_that_shuts_the_trees_out_lets_them_back_in(pair):
+    """A calibration that stored every tree too slow to beat plain decoding leaves the chain the only speculative
+    candidate: the first round probes it (nothing else would tell what it accepts), and once its round is
+    measured at half its calibration, the trees (following their kind) are viable again (eager engines need no
+    compiling)."""
+    target, drafter = pair
+    ddtree._ENGINES.clear()
+    engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
+                               False, 1, auto=GRID)
+    engine.calibrated = {"ar": 1.0, "chain": 3.0, "2": 6.0, "6": 7.0, "12": 8.0}  # block 5: 5 / 6 < 1 / 1
+    engine.viable = ["ar", "chain"]
+    with torch.inference_mode():
+        engine.start([[3, 4, 5]], [0])
+    assert engine.probe_candidate(first=True) == "chain"
+    engine.measured["ar"].add(1.0, at=0)
+    engine.measured["chain"].add(1.5, at=1)
+    engine.admit_viable()
+    assert engine.viable == ["ar", "chain", 2, 6, 12]  # 5 / 3, 5 / 3.5, 5 / 4 > 1
+    engine.measured["chain"].add(30.0, at=2)  # a slow moment (median 15.75): no candidate leaves
+    engine.admit_viable()
+    assert engine.viable == ["ar", "chain", 2, 6, 12]
+
+
 def test_probing_picks_the_largest_tree_that_could_win_then_climbs(pair, monkeypatch):
     """The first probe runs the largest viable tree that could beat the best estimate were it to accept every
     draft; later probes the next size up from the best."""
