@@ -535,23 +535,29 @@ class AutoBudget:
         What it would accept: a tree larger than the best (whose own rounds inform every smaller candidate) that
         could still beat the best were it to accept every draft. The first probe of a run takes the largest such
         tree, which informs every candidate that could win; later ones the next size up from the best, which costs
-        the least and lets the choice climb while bigger trees pay off. A candidate whose acceptance is not known
-        yet and that could win so (the chain, when no tree is viable) is probed too.
-        What it costs: a candidate not run for STALE_ROUNDS rounds that would beat the best were its round
-        PROBE_OPTIMISM times cheaper than estimated (an estimate from a calibration or from rounds measured while
-        the machine was busy is too high, and only running the candidate again can show it).
+        the least and lets the choice climb while bigger trees pay off.
+        What it costs: a candidate that would beat the best were its round PROBE_OPTIMISM times cheaper than
+        estimated, viable or not (an estimate from a calibration or from rounds measured while the machine was busy
+        is too high, and only running the candidate again can show it): while what it accepts is unknown, were it to
+        accept every draft (the first probe takes one such when no tree is within reach); else once it has not run
+        for STALE_ROUNDS rounds.
         After the first probe, of these the one that ran longest ago."""
         best = self.best()
         rate = self.rate(best)
         larger = [c for c in self.viable if isinstance(c, int) and (not isinstance(best, int) or c > best)]
         within_reach = [c for c in larger if self.block_size / self.cost(c) > rate]
-        # the chain when no tree is viable: nothing else would tell what it accepts
-        unknown = [c for c in self.viable if self.tokens(c) is None and self.block_size / self.cost(c) > rate]
+        # Probed for their cost: any candidate warmed up, viable or not (a calibration too high may have made it
+        # look too slow to beat plain decoding), that would win at 1 / PROBE_OPTIMISM of its estimated cost: were it
+        # to accept every draft, while what it accepts is unknown (the chain, when no tree is viable: nothing else
+        # would tell), else with what it accepts, once it has not run for STALE_ROUNDS rounds.
+        ready = [c for c, e in self.engines.items() if c != best and e.warm and self.calibrated[name(c)] is not None]
+        unknown = [c for c in ready if self.tokens(c) is None and
+                   PROBE_OPTIMISM * self.block_size / self.cost(c) > rate]
         if first:
             return within_reach[-1] if within_reach else next(iter(unknown), None)
         last_ran = {c: -math.inf if t.at is None else t.at for c, t in self.measured.items()}
-        stale = [c for c in self.viable if c != best and self.tokens(c) is not None and
-                 self.rounds - last_ran[c] > STALE_ROUNDS and PROBE_OPTIMISM * self.rate(c) > rate]
+        stale = [c for c in ready if self.tokens(c) is not None and self.rounds - last_ran[c] > STALE_ROUNDS and
+                 PROBE_OPTIMISM * self.rate(c) > rate]
         return min(within_reach[:1] + unknown + stale, key=last_ran.get, default=None)
 
     def curve(self) -> dict:

@@ -307,26 +307,32 @@ def test_a_cost_estimated_too_high_is_corrected_by_its_kind_and_probed(pair):
 
 
 def test_a_calibration_that_shuts_the_trees_out_lets_them_back_in(pair):
-    """A calibration that stored every tree too slow to beat plain decoding leaves the chain the only speculative
-    candidate: the first round probes it (nothing else would tell what it accepts), and once its round is
-    measured at half its calibration, the trees (following their kind) are viable again (eager engines need no
-    compiling)."""
+    """A calibration that stored every speculative round too slow to beat plain decoding (issue 65's, planted at
+    twice the cost: the chain included) leaves plain decoding alone viable. The first round probes the chain, which
+    would win at half its stored cost (nothing else would tell what it accepts, or what it costs); once it is
+    measured at half its calibration, it and the trees that follow it (their kind) are viable again (eager
+    engines need no compiling), and none leaves on a slow moment. A candidate out of reach even at half its cost
+    is not probed."""
     target, drafter = pair
     ddtree._ENGINES.clear()
     engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
                                False, 1, auto=GRID)
-    engine.calibrated = {"ar": 1.0, "chain": 3.0, "2": 6.0, "6": 7.0, "12": 8.0}  # block 5: 5 / 6 < 1 / 1
-    engine.viable = ["ar", "chain"]
+    engine.calibrated = {"ar": 1.0, "chain": 6.0, "2": 8.0, "6": 9.0, "12": 10.0}  # block 5: 5 / 6 < 1 / 1
+    engine.viable = ["ar"]
     with torch.inference_mode():
         engine.start([[3, 4, 5]], [0])
-    assert engine.probe_candidate(first=True) == "chain"
+    assert engine.probe_candidate(first=True) == "chain"  # 2 x 5 / 6 > 1
     engine.measured["ar"].add(1.0, at=0)
-    engine.measured["chain"].add(1.5, at=1)
+    engine.measured["chain"].add(3.0, at=1)
     engine.admit_viable()
-    assert engine.viable == ["ar", "chain", 2, 6, 12]  # 5 / 3, 5 / 3.5, 5 / 4 > 1
-    engine.measured["chain"].add(30.0, at=2)  # a slow moment (median 15.75): no candidate leaves
+    assert engine.viable == ["ar", "chain", 2, 6]  # 5 / 3, 5 / 4, 5 / 4.5 > 1 >= 5 / 5
+    engine.measured["chain"].add(60.0, at=2)  # a slow moment (median 31.5): no candidate leaves
     engine.admit_viable()
-    assert engine.viable == ["ar", "chain", 2, 6, 12]
+    assert engine.viable == ["ar", "chain", 2, 6]
+    engine.calibrated = {"ar": 1.0, "chain": 12.0, "2": 16.0, "6": 18.0, "12": 20.0}  # 2 x 5 / 12 < 1
+    engine.measured = {c: budget.RoundTimes() for c in engine.engines}
+    engine.viable = ["ar"]
+    assert engine.probe_candidate(first=True) is None
 
 
 def test_probing_picks_the_largest_tree_that_could_win_then_climbs(pair, monkeypatch):
