@@ -372,11 +372,14 @@ class AutoBudget:
         self.probe_rounds, self.probe_seconds, self.probe_overhead, self.catch_up_seconds = 0, 0.0, 0.0, 0.0
         for estimate in self.tau.values():  # the last run's, as a prior that this run's rounds soon outweigh
             estimate.count = min(estimate.count, PRIOR_ROUNDS)
-        # The candidates share the models' caches. Plain decoding starts when no speculative candidate is viable,
-        # and it sizes only the target's: another engine may have left the drafter's at another batch size.
+        # The candidates share the models' caches. Plain decoding starts when no speculative candidate is warmed
+        # up, and it sizes only the target's: another engine may have left the drafter's at another batch size.
         self.any.setup_caches()
-        # A speculative engine prefills (the prompt is the drafter's first context), unless none is viable.
-        self.current = self.engines[next((c for c in self.viable if c != "ar"), "ar")]
+        # A speculative engine prefills (the prompt is the drafter's first context), a viable one if any, else any
+        # warmed up: a probe of it (probe_candidate) then needs no catch-up over the whole prompt.
+        ready = [c for c in self.viable if c != "ar"] + [c for c, e in self.engines.items() if c != "ar" and e.warm
+                                                         and self.calibrated[name(c)] is not None]
+        self.current = self.engines[next(iter(ready), "ar")]
         first = self.current.start(prompts, seeds)
         # Each request's tokens (prompt, then what it emitted; the last one is the next round's input, not yet in
         # any cache) while it runs, and where the drafter's context stops when plain decoding has run without it.

@@ -322,6 +322,7 @@ def test_a_calibration_that_shuts_the_trees_out_lets_them_back_in(pair):
     with torch.inference_mode():
         engine.start([[3, 4, 5]], [0])
     assert engine.probe_candidate(first=True) == "chain"  # 2 x 5 / 6 > 1
+    assert engine.current.method == "dflash"  # the chain prefilled: its probe needs no catch-up over the prompt
     engine.measured["ar"].add(1.0, at=0)
     engine.measured["chain"].add(3.0, at=1)
     engine.admit_viable()
