@@ -545,7 +545,7 @@ def bundled(one_thread):
 def auto_key(target, drafter, prompt_len: int, max_new_tokens: int) -> str:
     """The cost cache's key of a budget-auto run of this prompt length (its engine's, made here)."""
     spec = ddtree.Speculation(budget="auto")
-    budgets = budget.auto_budgets(prompt_len, max_new_tokens, target)
+    budgets = budget.auto_budgets()
     with torch.inference_mode():
         length = ddtree.cache_length(prompt_len, max_new_tokens, "ddtree", spec, drafter.bind(target), budgets)
         return ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), spec, length, False, 1,
