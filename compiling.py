@@ -18,9 +18,9 @@ import cpu
 
 def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
     """The engine's (round, prefill step) as this device runs them, the inductor options its compiling calls set
-    (guards), and the seconds spent preparing them (on the CPU, building its attention kernel; 0 on a GPU). With compile
-    False they stay eager. On the CPU the models take cpu/'s layer classes here, eager or compiled (cpu.compile_round).
-The prefill step is compiled where prefill_compiled says.
+    (guards), and the seconds spent preparing them (on the CPU, building its attention kernel; 0 on a GPU). With
+    compile False they stay eager. On the CPU the models take cpu/'s layer classes here, eager or compiled
+    (cpu.compile_round). The prefill step is compiled where prefill_compiled says.
 
     One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the query length
     fails to build on the CPU (docs/compile.md). Engines compile the same methods, so they share one cache per

@@ -1,4 +1,5 @@
-"""DDTree speculative decoding: generate(), the engine's round, and the command line.
+"""DDTree speculative decoding: generate(), the engine's round, and the entry point of the command line (which
+lives in cli.py):
 
     python ddtree.py --prompt "def fibonacci(n):" --budget 512
 
@@ -11,11 +12,12 @@ Three methods share one decoding loop:
 Every method is lossless: greedy output equals plain greedy decoding, sampled output follows the target's law.
 
 Reading order: generate() -> Engine (its masks and compiled steps) -> Engine.step (one round, its randomness and
-its one host read) -> Engine.round (five stages, each one call into the file that owns it: drafter.py,
-draft_tree.py + tree_attn.py, model.py, sampler.py, tree_attn.py) -> the prefill. Around it, one concern per
-file: batch.py (the decoding loop, shrinking batches), budget.py (budget auto), settings.py (Speculation, argument
-checks), cli.py (the command line), compiling.py (torch.compile, CUDA graphs), cpu/ (CPU-only speed),
-gated_delta.py (recurrent layers, docs/recurrent_tree.md).
+its one host read) -> Engine.round (five stages, each one Engine method calling into the files that own its
+work: draft -> drafter.py; tree -> draft_tree.py; verify -> its mask (draft_tree.ancestor_matrix written into a
+tree_attn.PrefixMask) and model.py; accept -> sampler.py; commit -> tree_attn.compact_kv, drafter.py) -> the
+prefill. Around it, one concern per file: batch.py (the decoding loop, shrinking batches), budget.py (budget
+auto), settings.py (Speculation, argument checks), cli.py (the command line), compiling.py (torch.compile, CUDA
+graphs), cpu/ (CPU-only speed), gated_delta.py (recurrent layers, docs/recurrent_tree.md).
 docs/round.md walks through one round with a picture of its tree and mask.
 """
 
