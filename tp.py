@@ -240,6 +240,11 @@ def shard_moe(moe, prefix: str, plan: Plan):
         shard_mlp(moe.shared_expert, f"{prefix}.shared_expert", plan)
 
 
+# The gathers' functional collective: torch 2.13 names it all_gather_single (all_gather_tensor warns there as
+# deprecated); torch 2.11 has only all_gather_tensor.
+all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 def all_reduce_output(module, args, output):
     """A sublayer's partial output (this rank's heads or intermediate slice) summed over the ranks."""
     return funcol.all_reduce(output, "sum", dist.group.WORLD)
@@ -289,7 +294,7 @@ class VocabParallelHead(nn.Module):
         if y.shape[-1] < self.share:
             y = F.pad(y, (0, self.share - y.shape[-1]))
         # gathered along a leading dimension (the collective's own layout), then moved back last
-        y = funcol.all_gather_single(y.movedim(-1, 0).contiguous(), 0, dist.group.WORLD)
+        y = all_gather(y.movedim(-1, 0).contiguous(), 0, dist.group.WORLD)
         return y.movedim(0, -1)[..., :self.vocab]
 
     def argmax(self, x, dtype: torch.dtype):
@@ -306,7 +311,7 @@ class VocabParallelHead(nn.Module):
         value = y.gather(-1, index[..., None])[..., 0]
         # (an index is exact in float32 below 2^24, far above any vocabulary's size)
         best = torch.stack([value, (index + self.vocab_rows[0]).to(dtype), finite.to(dtype)])
-        best = funcol.all_gather_single(best.contiguous(), 0, dist.group.WORLD).unflatten(0, (world_size(), 3))
+        best = all_gather(best.contiguous(), 0, dist.group.WORLD).unflatten(0, (world_size(), 3))
         winner = best[:, 0].argmax(0, keepdim=True)
         return best[:, 1].gather(0, winner)[0].long(), best[:, 2].amin(0) > 0
 
