@@ -38,6 +38,11 @@ from model import Attention, Linear
 EAGER_CPU_ATTENTION = "sdpa"
 
 
+def torch_release() -> tuple:
+    """torch's (major, minor): where releases differ, what this one needs."""
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
 def compile_round(step, target, drafter, compile) -> tuple:
     """A CPU engine's round: (the step, compiled unless compile is False, the inductor options its compiling calls
     run under, the seconds spent building the attention kernel). The models get their CPU classes first, eager
@@ -51,7 +56,14 @@ def compile_round(step, target, drafter, compile) -> tuple:
     seconds = prepare(target, drafter, frozen)
     if frozen:
         return compile_frozen(step), AUTOTUNE_OPTIONS, seconds
-    return torch.compile(step, dynamic=False, fullgraph=True), {}, seconds
+    return torch.compile(step, dynamic=False, fullgraph=True), PLAIN_OPTIONS, seconds
+
+
+# compile=True on the CPU: inductor's defaults, except that from torch 2.14 its scheduler fuses a pointwise epilogue
+# (a gated attention's output gate) into the C++ FlexAttention template, whose code generation then refuses it
+# (NotImplementedError: "Unsupported for `epilogue_nodes` in CppFlexAttentionTemplate"); without GEMM templates
+# (no max-autotune) epilogue fusion concerns only that template here.
+PLAIN_OPTIONS = {"epilogue_fusion": False} if torch_release() >= (2, 14) else {}
 
 
 def prepare(target, drafter, frozen: bool) -> float:
@@ -293,7 +305,9 @@ def build_cpu_kernel() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     torch_dir = os.path.dirname(torch.__file__)
     include, lib = os.path.join(torch_dir, "include"), os.path.join(torch_dir, "lib")
-    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
+    # torch 2.14's headers use C++20 (requires-clauses); earlier ones build as C++17, as they were tested
+    std = "-std=c++20" if torch_release() >= (2, 14) else "-std=c++17"
+    flags = ["-O3", "-march=native", "-fopenmp", std, "-shared", "-fPIC",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{include}",
              f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
     compiler = os.environ.get("CXX", "g++")
