@@ -210,7 +210,7 @@ class Run:
         self.cuda, self.compile = self.device.type == "cuda", not a.eager
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.prices = Prices(a, self.cuda)
-        self.models, self.results, self.part, self.terminated = {}, {}, None, None
+        self.models, self.results, self.part, self.terminated, self.in_part = {}, {}, None, None, False
         self.repeats = a.repeats or (20 if self.cuda else 5)
         self.back_to_back = 100 if self.cuda else 10
         self.out = dict(command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
@@ -266,10 +266,14 @@ class Run:
         signal.setitimer(signal.ITIMER_REAL, max(0.01, min(self.a.part_seconds, left)))
         try:
             try:
+                self.in_part = True
+                if self.terminated is not None:  # SIGTERM came as the part was starting
+                    raise PartTimeout("terminated (SIGTERM)")
                 if name == self.a.plant_failure:
                     raise RuntimeError(f"planted failure in {name} (--plant-failure)")
                 fn(self, rec["result"])
             finally:
+                self.in_part = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
             rec["status"] = "ok"
         except (PartTimeout, Exception):  # noqa: BLE001 (a part's failure is a finding; the next part runs)
@@ -292,7 +296,7 @@ class Run:
         """SIGTERM (a command's time limit, say): the part running ends as `terminated`, no other part starts, and
         the call ends with its summary, so that the output's tail still holds what was measured."""
         self.terminated = time.time()
-        if self.part is not None and "status" not in self.part:
+        if self.in_part:
             raise PartTimeout("terminated (SIGTERM)")
 
     def forget(self):
