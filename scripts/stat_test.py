@@ -309,14 +309,16 @@ def draw_samples(target, drafter, prompt, n: int, samples: int, seed0: int = 0, 
 # Planted bugs
 
 
-def _verify_chain_residual_p(p, q, drafts, accept_u, noise):
+def _verify_chain_residual_p(p, q, drafts, accept_u, noise, room=None):
     """sampler.verify_chain_sampled with the bug: on rejection resample from p, not max(p - q, 0). Batched as the
-    engine calls it: p [N, L + 1, V], q [N, L, V], drafts and accept_u [N, L], noise [N, L + 1, V]."""
+    engine calls it: p [N, L + 1, V], q [N, L, V], drafts and accept_u [N, L], noise [N, L + 1, V], room [N] (the
+    drafts before the position limit count, as in the real rule)."""
     d = drafts.unsqueeze(-1)
     L = drafts.shape[-1]
+    drafted = torch.arange(L, device=drafts.device) < (L if room is None else room.unsqueeze(-1))
     px = p[:, :L].gather(-1, d).squeeze(-1).double()
     qx = q.gather(-1, d).squeeze(-1).double()
-    n = (accept_u.double() * qx < px).long().cumprod(-1).sum(-1)
+    n = ((accept_u.double() * qx < px) & drafted).long().cumprod(-1).sum(-1)
     cand = sample(p, noise)  # BUG: p[:, :L] where the residual belongs
     return n, cand.gather(1, n[:, None]).squeeze(1)
 
