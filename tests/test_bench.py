@@ -66,12 +66,13 @@ def test_an_output_that_cannot_be_written_is_refused_before_anything_is_measured
 
 def test_context_runs_past_the_checkpoints_window_only_scaled_and_every_run_equals_plain_decoding(tmp_path):
     """bench.py context at a toy size: a length within the bundled pair's 2048 positions runs on the pair as it is
-    and on its YaRN copy, one past them on the copy alone; every drafter window gives plain decoding's tokens."""
+    and on its YaRN copy, one whose request (prompt + new tokens) passes them on the copy alone; every drafter window
+    gives plain decoding's tokens."""
     import json
-    assert bench.main(["context", "--lengths", "64", "2040", "--windows", "0", "16", "--prompts", "1",
+    assert bench.main(["context", "--lengths", "64", "2045", "--windows", "0", "16", "--prompts", "1",
                        "--new-tokens", "6", "--budget", "4", "--threads", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_context.json").read_text())["rows"]
-    assert [(r["version"], r["length"]) for r in rows] == [("as is", 64), ("yarn x4", 64), ("yarn x4", 2040)]
+    assert [(r["version"], r["length"]) for r in rows] == [("as is", 64), ("yarn x4", 64), ("yarn x4", 2045)]
     for r in rows:
         assert set(r["windows"]) == {"0", "16"} and r["prefill_tokens_per_s"] > 0
         assert all(w["same_tokens"] == 1 and w["tau"] >= 1 for w in r["windows"].values())
