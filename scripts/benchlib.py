@@ -394,23 +394,35 @@ def transformers_twin(target: Qwen3):
 
 def transformers_step_ms(hf, prompt: list, new: int, repeats: int) -> dict:
     """transformers' greedy `generate` (eager, its default attention) after `prompt`: the milliseconds per decoded
-    token, from the best of `repeats` runs of 1 + new tokens less the best of runs of 1 (the prefill and the first
-    token), so that the prefill is left out as it is for our AR step."""
+    token, read off the clock at each token it hands its streamer (the device synced there, as generate's own
+    stopping check does each step): the median gap between successive tokens after the first, the best of `repeats`
+    runs. The prefill and the first token are left out, as they are for our AR step; a gap is one step, so a slow
+    spell on a busy machine cannot make the figure negative, as a difference of two whole runs can."""
     device = hf.lm_head.weight.device
     ids = torch.tensor([prompt], device=device)
 
-    def run(n):
-        def call():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-            sync(device)
-            return out
-        call()  # warm-up: the first call sets up kernels and the generation config
-        return best_of(call, repeats)[0]
+    class Clock:  # generate's streamer interface: put(token ids) per step (the prompt first), end()
+        def __init__(self):
+            self.times = []
 
-    first, whole = run(1), run(1 + new)
-    return dict(step_ms=(whole - first) * 1e3 / new, first_token_s=first, new_tokens=new, prompt_tokens=len(prompt),
-                attention=hf.config._attn_implementation)
+        def put(self, value):
+            sync(device)
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def step_s() -> float:
+        clock = Clock()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1 + new, min_new_tokens=1 + new,
+                    do_sample=False, eos_token_id=None, pad_token_id=0, streamer=clock)
+        after_first = clock.times[2:]  # times[0]: the prompt handed over; times[1]: the first token, after the prefill
+        assert len(after_first) == new, len(clock.times)
+        return statistics.median(b - a for a, b in zip(clock.times[1:], after_first))
+
+    step_s()  # warm-up: the first call sets up kernels and the generation config
+    return dict(step_ms=min(step_s() for _ in range(max(repeats, 1))) * 1e3, new_tokens=new,
+                prompt_tokens=len(prompt), attention=hf.config._attn_implementation)
 
 
 def print_rows(rows, new):
