@@ -271,18 +271,25 @@ def test_calibration_keeps_each_candidates_quietest_pass(monkeypatch):
     assert calibration["spread"] == 1.5
 
 
+def started_auto_engine(pair, calibrated: dict, viable=("ar", "chain", 2, 6, 12)):
+    """A new budget auto engine over GRID (no estimates from earlier runs) with these calibrated costs and viable
+    candidates, started on one request."""
+    target, drafter = pair
+    ddtree._ENGINES.clear()
+    engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
+                               False, 1, auto=GRID)
+    engine.calibrated = dict(calibrated)
+    engine.viable = list(viable)
+    with torch.inference_mode():  # as generate() runs engines (the caches must not record autograd history)
+        engine.start([[3, 4, 5]], [0])
+    return engine
+
+
 def test_a_cost_estimated_too_high_is_corrected_by_its_kind_and_probed(pair):
     """A candidate not measured yet follows the measured candidates of its kind (speculative rounds move together,
     plain decoding apart); one that has not run for STALE_ROUNDS rounds and would win at 1 / PROBE_OPTIMISM of
     its estimated cost is probed, so that a cost stored too high cannot keep it from running for good."""
-    target, drafter = pair
-    ddtree._ENGINES.clear()  # a new engine: no estimates from earlier runs
-    engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
-                               False, 1, auto=GRID)
-    engine.calibrated = {"ar": 1.0, "chain": 4.0, "2": 5.5, "6": 6.0, "12": 7.0}
-    engine.viable = ["ar", "chain", 2, 6, 12]
-    with torch.inference_mode():
-        engine.start([[3, 4, 5]], [0])
+    engine = started_auto_engine(pair, {"ar": 1.0, "chain": 4.0, "2": 5.5, "6": 6.0, "12": 7.0})
     for c, tau in (("chain", 2.5), (2, 2.0), (6, 2.2), (12, 2.4)):
         engine.tau[c].add(tau - 1)
     engine.measured["ar"].add(1.0, at=0)
@@ -313,14 +320,8 @@ def test_a_calibration_that_shuts_the_trees_out_lets_them_back_in(pair):
     measured at half its calibration, it and the trees that follow it (their kind) are viable again (eager
     engines need no compiling), and none leaves on a slow moment. A candidate out of reach even at half its cost
     is not probed."""
-    target, drafter = pair
-    ddtree._ENGINES.clear()
-    engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
-                               False, 1, auto=GRID)
-    engine.calibrated = {"ar": 1.0, "chain": 6.0, "2": 8.0, "6": 9.0, "12": 10.0}  # block 5: 5 / 6 < 1 / 1
-    engine.viable = ["ar"]
-    with torch.inference_mode():
-        engine.start([[3, 4, 5]], [0])
+    # block 5: 5 / 6 < 1 / 1
+    engine = started_auto_engine(pair, {"ar": 1.0, "chain": 6.0, "2": 8.0, "6": 9.0, "12": 10.0}, viable=["ar"])
     assert engine.probe_candidate(first=True) == "chain"  # 2 x 5 / 6 > 1
     assert engine.current.method == "dflash"  # the chain prefilled: its probe needs no catch-up over the prompt
     engine.measured["ar"].add(1.0, at=0)
@@ -339,14 +340,7 @@ def test_a_calibration_that_shuts_the_trees_out_lets_them_back_in(pair):
 def test_probing_picks_the_largest_tree_that_could_win_then_climbs(pair, monkeypatch):
     """The first probe runs the largest viable tree that could beat the best estimate were it to accept every
     draft; later probes the next size up from the best."""
-    target, drafter = pair
-    ddtree._ENGINES.clear()  # a new engine: no estimates from earlier runs
-    engine = ddtree.get_engine(target, drafter, "ddtree", ddtree.Sampling(), ddtree.Speculation(budget="auto"), 1024,
-                               False, 1, auto=GRID)
-    engine.calibrated = {"ar": 1.0, "chain": 2.0, "2": 2.0, "6": 3.0, "12": 4.5}
-    engine.viable = ["ar", "chain", 2, 6, 12]
-    with torch.inference_mode():  # as generate() runs engines (the caches must not record autograd history)
-        engine.start([[3, 4, 5]], [0])
+    engine = started_auto_engine(pair, {"ar": 1.0, "chain": 2.0, "2": 2.0, "6": 3.0, "12": 4.5})
     assert engine.probe_candidate(first=True) == 12  # 5 / 4.5 > 1 / 1 (plain decoding)
     engine.calibrated["12"] = 6.0  # 5 / 6 < 1: out of reach
     assert engine.probe_candidate(first=True) == 6
