@@ -629,10 +629,10 @@ def test_cli_refuses_what_does_not_apply_and_bad_values(args, message):
 
 def test_cli_a_tree_too_large_for_memory_is_one_line():
     # A DFlash 2 drafter's few candidates per depth let the tree builders order millions of nodes; the verify's
-    # mask alone would then hold (budget + 1)^2 bytes, terabytes: the allocation fails, and that is bad input.
+    # mask alone would then hold (budget + 1)^2 bytes, a terabyte here: the allocation fails, and that is bad input.
     draft2 = os.path.join(os.path.dirname(DEFAULT_DRAFT), "tiny-draft2")
     code, _, err = cli("--prompt", "def f(x):", "--max-new-tokens", "4", "--no-chat", "--draft", draft2,
-                       "--budget", "3000000")
+                       "--budget", "1000000")
     assert_one_error_line(code, err, "out of memory")
     assert "--budget" in err
 
