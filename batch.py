@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from settings import recurrent_target
+
 
 NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf weights, or overflow in this "
               "dtype)")
@@ -149,11 +151,11 @@ def move_to_smaller(engine, engine_for, rows: list, live: set, committed: int) -
     # moved requests are kept aside meanwhile (a few hundred slots, not the whole context).
     window = smaller.warm_up_slots() if not smaller.warm else 0
     saved = [c[:len(keep), :, :window].clone() for c in smaller.kv_caches()] if window else []
-    states = [s[:len(keep)].clone() for s in smaller.target.state_tensors()] if window else []
+    states = [s[:len(keep)].clone() for s in recurrent_states(smaller.target)] if window else []
     seconds = smaller.warm_up()
     for cache, rows_before in zip(smaller.kv_caches(), saved):
         cache[:len(keep), :, :window] = rows_before
-    for state, rows_before in zip(smaller.target.state_tensors(), states):
+    for state, rows_before in zip(recurrent_states(smaller.target), states):
         state[:len(keep)] = rows_before
     smaller.setup_caches()
     smaller.adopt(held.padded(smaller.batch))
@@ -173,9 +175,14 @@ def take(engine, rows: list[int], slots: int) -> Requests:
     index = torch.tensor(rows, device=engine.device)
     for cache in engine.kv_caches():
         cache[:len(rows), :, :slots] = cache[:, :, :slots].index_select(0, index)
-    for state in engine.target.state_tensors():  # recurrent layers' states: one per request, whole
+    for state in recurrent_states(engine.target):  # recurrent layers' states: one per request, whole
         state[:len(rows)] = state.index_select(0, index)
     return engine.requests.select(rows)
+
+
+def recurrent_states(target) -> list:
+    """A recurrent target's per-request state tensors (none for any other)."""
+    return list(target.state_tensors()) if recurrent_target(target) else []
 
 
 def batch_bucket(n: int, max_batch: int) -> int:

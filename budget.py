@@ -43,7 +43,7 @@ from dataclasses import asdict, replace
 import torch
 
 import tp
-from settings import AUTO_BUDGETS, Speculation
+from settings import AUTO_BUDGETS, Speculation, recurrent_target
 
 PROBE_SHARE = 0.05  # probing costs at most this share of a run's time (after its first round, a probe)
 EMA_ROUNDS = 16  # a tokens-per-round estimate averages about this many recent observations
@@ -261,7 +261,7 @@ def auto_candidates(target, drafter, spec, budgets) -> dict:
     Plain decoding runs without the drafter (its context catches up when a speculative round follows), except on a
     recurrent target: there it keeps the drafter's context as it decodes (ddtree.Engine.decode), since a catch-up
     would run committed tokens through the recurrent state twice."""
-    candidates = {"ar": ("ar", drafter if target.recurrent else None, Speculation(), None),
+    candidates = {"ar": ("ar", drafter if recurrent_target(target) else None, Speculation(), None),
                   "chain": ("dflash", drafter, Speculation(denoise_steps=spec.denoise_steps), None)}
     for b in budgets:
         smaller = tuple(x for x in budgets if x <= b)
@@ -274,7 +274,7 @@ def catch_up(engine, tokens: list[list[int]], starts: list[int]):
     i's from position starts[i], to extend the drafter's context (an empty list: a dummy row past the committed
     tokens). The target's K/V there are written again, with the same values up to rounding; nothing is drawn from
     the requests' generators. Never for a recurrent target, whose state would take the tokens twice."""
-    if engine.target.recurrent:
+    if recurrent_target(engine.target):
         raise RuntimeError("a catch-up would run committed tokens through the target's recurrent state again")
     engine.prefill([t or [0] for t in tokens], starts, draw=False)
 

@@ -13,8 +13,6 @@ import warnings
 
 import torch
 
-import cpu
-
 
 def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
     """The engine's (round, prefill step) as this device runs them, the inductor options its compiling calls set
@@ -32,6 +30,7 @@ def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
         writable_inductor_cache()
     mode = "reduce-overhead" if compile is True else compile  # on a GPU: CUDA graphs ("max-autotune" includes them)
     if target.device.type == "cpu":
+        import cpu  # the CPU seam: imported only for an engine on a CPU
         round_fn, options, prepare_seconds = cpu.compile_round(round_fn, target, drafter, compile)
     else:
         options, prepare_seconds = {}, 0.0

@@ -30,7 +30,6 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 quietly; main() takes over from there
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
@@ -40,15 +39,13 @@ import torch  # noqa: E402
 import compiling
 import batch
 from batch import Requests, RequestsFailed, Result
-from budget import AutoBudget, auto_budgets, auto_candidates
 from draft_tree import (Lattice, ancestor_matrix, build_lattice_tree, build_lattice_tree_heap, build_tree,
                         build_tree_heap, walk_lattice)
 from drafter import DFlashDrafter
 from gated_delta import Recurrent
-from model import Qwen3
 from rope import position_limit
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
-from settings import Speculation, check_models, check_recalibrate, check_request, check_settings, verify_rows
+from settings import Speculation, Target, check_models, recurrent_target, check_recalibrate, check_request, check_settings, verify_rows
 from tree_attn import PrefixMask, compact_kv, round_up
 
 # Eager FlexAttention (eager engines on CUDA; on the CPU, cpu.EAGER_CPU_ATTENTION = "flex") warns that it materializes
@@ -68,7 +65,7 @@ DEFAULT_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets
 # generate() and generate_batch(): the decoding loop
 
 
-def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
+def generate(target: Target, drafter: DFlashDrafter | None = None, prompt_ids=None, method: str = "ddtree",
              budget: int | str | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop_ids=None,
              compile: bool | str = False, on_tokens=None, speculation: Speculation | None = None,
@@ -101,7 +98,7 @@ def generate(target: Qwen3, drafter: DFlashDrafter | None = None, prompt_ids=Non
                           max_batch=1, recalibrate=recalibrate)[0]
 
 
-def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=(), method: str = "ddtree",
+def generate_batch(target: Target, drafter: DFlashDrafter | None = None, prompts=(), method: str = "ddtree",
                    budget: int | str | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seeds=None, stop_ids=None,
                    compile: bool | str = False, on_tokens=None, speculation: Speculation | None = None,
@@ -130,7 +127,10 @@ def generate_batch(target: Qwen3, drafter: DFlashDrafter | None = None, prompts=
         renewed = []  # recalibrate: the budget-auto engines this call has calibrated again
 
         def engine_for(longest: int, batch_size: int):  # for a wave whose longest prompt has this length
-            budgets = auto_budgets() if spec.budget == "auto" else ()
+            budgets = ()
+            if spec.budget == "auto":
+                import budget  # budget auto: imported only when asked for
+                budgets = budget.auto_budgets()
             length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets, target.device.type)
             engine = get_engine(target, drafter, method, sampling, spec, length, compile, batch_size, budgets)
             if recalibrate and not any(e is engine for e in renewed):
@@ -188,32 +188,6 @@ def finite_rows(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The engine: its masks and compiled steps, the requests' steps, the five stages of a round, the prefill
-
-
-class Target(Protocol):
-    """What the engine (with batch.py, budget.py, settings.py) asks of a target model: model.Qwen3 is one, and a new
-    family is one module with these members plus its loader. Every tensor argument has the batch first."""
-    config: Any  # a dataclass: vocab_size, and what rope.position_limit reads (max_position_embeddings, rope_scaling)
-    eos_ids: list[int]  # the default stop tokens
-    embed_tokens: torch.nn.Module  # the drafter embeds and reads out through the target's own embedding and head
-    lm_head: torch.nn.Module
-    device: torch.device
-    dtype: torch.dtype
-    recurrent: bool  # whether it keeps recurrent state (then a catch-up cannot run committed tokens twice)
-
-    def __call__(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(),
-                 recurrent=None, argmax=False) -> tuple:
-        """Tokens [N, Q] at RoPE positions input_pos written to cache slots cache_pos, attending under a
-        tree_attn.PrefixMask's BlockMask -> (float logits of the logits_rows [N, k] (every row: None), the
-        outputs of feature_layers concatenated [N, Q, F] or None). recurrent: a gated_delta.Recurrent. argmax:
-        in place of the logits, the pair (their argmax [N, k], whether each row's logits are all finite [N, k]),
-        all that a greedy pick reads (a target split over ranks by vocabulary then gathers no logits)."""
-
-    def setup_cache(self, length: int, batch: int): ...  # caches for `batch` requests of `length` slots
-    def kv_caches(self): ...  # every K and V cache [N, heads, slots, dim], which compact_kv and batch.take move
-    def state_tensors(self): ...  # every recurrent tensor (request = dim 0), which batch.take moves
-    def reset_recurrent(self): ...  # empty recurrent state before a prefill
-    def commit_recurrent(self, recurrent, path, length): ...  # the state after the accepted path of a verify
 
 
 class Engine:
@@ -279,7 +253,8 @@ class Engine:
         generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] + [None] * pad
         self.adopt(Requests(None, torch.tensor([len(p) for p in prompts], device=self.device), generators,
                             torch.tensor([1] * n + [0] * pad, device=self.device)))
-        self.target.reset_recurrent()  # a recurrent layer's state starts empty (K/V need no reset: masks)
+        if recurrent_target(self.target):  # a recurrent layer's state starts empty (K/V need no reset: masks)
+            self.target.reset_recurrent()
         self.requests.token, ok = self.prefill(prompts)
         read = host_read(token=self.requests.token, sound=ok)[:n]
         return [r["token"] if r["sound"] else None for r in read]
@@ -423,7 +398,8 @@ class Engine:
 
     def commit(self, start, path, length, positions, features, recurrent):
         compact_kv(self.target.kv_caches(), start, path)
-        self.target.commit_recurrent(recurrent, path, length)
+        if recurrent_target(self.target):
+            self.target.commit_recurrent(recurrent, path, length)
         # The drafter's context K/V for the committed path (the first half of its forward; DFlash's own code
         # computes it inside the drafter pass), in the slots after `start`.
         picked = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
@@ -570,7 +546,7 @@ _ENGINES_LOCK = threading.Lock()  # runs on other models may pick engines from o
 
 
 def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch=1,
-               auto=()) -> Engine | AutoBudget:
+               auto=()) -> "Engine | budget.AutoBudget":
     """Engines are cached per (models, settings, batch size) so repeated calls reuse caches and compiled graphs.
     auto: the tree sizes of a budget-auto engine."""
     settings = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, auto)
@@ -583,11 +559,12 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, ba
             for old in [k for k in _ENGINES if k[:-1] != settings]:
                 del _ENGINES[old]
             if spec.budget == "auto":
+                import budget  # budget auto: imported only when asked for
                 engines = {c: Engine(target, candidate_drafter, candidate_method, sampling, candidate_spec,
                                      max_seq_len, compile, batch, tally)
                            for c, (candidate_method, candidate_drafter, candidate_spec, tally)
-                           in auto_candidates(target, drafter, spec, auto).items()}
-                _ENGINES[key] = AutoBudget(engines, drafter.block_size)
+                           in budget.auto_candidates(target, drafter, spec, auto).items()}
+                _ENGINES[key] = budget.AutoBudget(engines, drafter.block_size)
             else:
                 _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch)
         return _ENGINES[key]

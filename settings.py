@@ -11,17 +11,17 @@ rounds is what no boundary can foresee: non-finite logits or probabilities (ddtr
 
 import math
 import numbers
+import os
 import reprlib
 import secrets
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 
 from drafter import DFlashDrafter
-from model import Qwen3
 from rope import position_limit
 from sampler import Sampling
-import tp
 
 METHODS = ("ddtree", "dflash", "ar")
 DEFAULT_BUDGET = 512  # the paper's tree size
@@ -158,7 +158,9 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
             fresh.append(secrets.randbits(63) if seed is None else check_int("seed", seed, 0))
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}{e}") from None
-    fresh = tp.same_on_every_rank(fresh)  # tensor parallel: every rank draws the same randomness
+    if os.environ.get("WORLD_SIZE", "1") != "1":  # under torchrun: every rank draws the same randomness
+        import tp
+        fresh = tp.same_on_every_rank(fresh)
     stop = set(target.eos_ids) if stop_ids is None else check_stop_ids(stop_ids, target.config.vocab_size)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_int("max_batch", max_batch, 1)
@@ -195,11 +197,45 @@ def check_orderable(budget, drafter, vocab: int):
                          f"(at most {(2**31 - 1) // width})")
 
 
+class Target(Protocol):
+    """What the engine (ddtree.py, with batch.py, budget.py and this file) asks of a target model: model.Qwen3 is one,
+    and a family with its own layers is one module whose model has these members (docs/families.md). Every tensor
+    argument has the batch first. A target with recurrent layers adds the hooks of docs/families.md ("Recurrent
+    targets") and says so with `recurrent = True`; without that member a target is not recurrent."""
+    config: Any  # a dataclass: vocab_size, and what rope.position_limit reads (max_position_embeddings, rope_scaling)
+    eos_ids: list[int]  # the default stop tokens
+    embed_tokens: torch.nn.Module  # the drafter embeds and reads out through the target's own embedding and head
+    lm_head: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+    def __call__(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(),
+                 argmax=False, **hooks) -> tuple:
+        """Tokens [N, Q] at RoPE positions input_pos written to cache slots cache_pos, attending under a
+        tree_attn.PrefixMask's BlockMask -> (float logits of the logits_rows [N, k] (every row: None), the
+        outputs of feature_layers concatenated [N, Q, F] or None). argmax: in place of the logits, the pair (their
+        argmax [N, k], whether each row's logits are all finite [N, k]), all that a greedy pick reads (a target
+        split over ranks by vocabulary then gathers no logits). hooks: a recurrent target's state arguments."""
+
+    def setup_cache(self, length: int, batch: int): ...  # caches for `batch` requests of `length` slots
+    def kv_caches(self): ...  # every K and V cache [N, heads, slots, dim], which compact_kv and batch.take move
+
+
+TARGET_MEMBERS = (*Target.__annotations__, "__call__", "setup_cache", "kv_caches")
+
+
+def recurrent_target(target) -> bool:
+    """Whether a target keeps recurrent state (its `recurrent` member; absent: no), and so has the recurrent hooks."""
+    return getattr(target, "recurrent", False)
+
+
 def check_models(target, drafter, method: str):
-    """A Qwen3 target; a DFlashDrafter for dflash and ddtree, none for ar (as the command line refuses --draft with
-    --method ar: a drafter given would be ignored)."""
-    if not isinstance(target, Qwen3):
-        raise TypeError(f"target must be a model.Qwen3 (Qwen3.from_pretrained), got {kind_of(target)}")
+    """A target with every member of the Target protocol; a DFlashDrafter for dflash and ddtree, none for ar (as the
+    command line refuses --draft with --method ar: a drafter given would be ignored)."""
+    missing = [name for name in TARGET_MEMBERS if not hasattr(target, name)]
+    if missing:
+        raise TypeError(f"target must meet the Target protocol (settings.Target; model.Qwen3.from_pretrained gives "
+                        f"one): {kind_of(target)} has no {', '.join(missing)}")
     if drafter is not None and not isinstance(drafter, DFlashDrafter):
         raise TypeError(f"drafter must be a drafter.DFlashDrafter (DFlashDrafter.from_pretrained) or None, got "
                         f"{kind_of(drafter)}")

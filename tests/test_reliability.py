@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from ddtree import DEFAULT_DRAFT, generate, generate_batch
 from drafter import DFlashDrafter
 from model import Qwen3
-from settings import Speculation, check_applies, grouped
+from settings import Target, Speculation, check_applies, grouped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -218,10 +218,43 @@ def test_grouped_settings_are_the_api_arguments_and_a_setting_given_twice_is_ref
         grouped(dict(denoise_steps=2, speculation=Speculation()))
 
 
+class OnlyTheProtocol:
+    """A target that has the Target protocol's members and nothing else: what generate() may ask of any family's
+    model (settings.Target), here forwarded to a Qwen3."""
+
+    def __init__(self, model):
+        self._model = model
+        for name in Target.__annotations__:
+            setattr(self, name, getattr(model, name))
+
+    def __call__(self, *args, **kwargs):
+        return self._model(*args, **kwargs)
+
+    def setup_cache(self, length, batch):
+        return self._model.setup_cache(length, batch)
+
+    def kv_caches(self):
+        return self._model.kv_caches()
+
+
+def test_any_object_meeting_the_target_protocol_is_a_target(pair):
+    target, drafter = pair
+    kw = dict(budget=8, max_new_tokens=12, stop_ids=[])
+    for method, settings in (("ddtree", dict(temperature=0.7, seed=2)), ("dflash", {}), ("ar", {})):
+        d = None if method == "ar" else drafter
+        kw_m = {k: v for k, v in kw.items() if method == "ddtree" or k != "budget"}
+        assert generate(OnlyTheProtocol(target), d, [3, 4], method=method, **kw_m, **settings).tokens == \
+            generate(target, d, [3, 4], method=method, **kw_m, **settings).tokens
+
+
 def test_models_of_the_wrong_kind_say_which_argument(pair):
     target, drafter = pair
-    with pytest.raises(TypeError, match="target must be a model.Qwen3 .*, got None"):
+    with pytest.raises(TypeError, match=r"target must meet the Target protocol .*: None has no config, eos_ids, "):
         generate(None, drafter, [1, 2], max_new_tokens=4)
+    missing_head = OnlyTheProtocol(target)
+    del missing_head.lm_head
+    with pytest.raises(TypeError, match=r"Target protocol .*: a OnlyTheProtocol has no lm_head$"):
+        generate(missing_head, drafter, [1, 2], max_new_tokens=4)
     with pytest.raises(TypeError, match="drafter must be a drafter.DFlashDrafter .*, got a Qwen3"):
         generate(target, target, [1, 2], max_new_tokens=4)
 
