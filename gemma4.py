@@ -310,6 +310,53 @@ class MLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
+class Router(nn.Module):
+    """The 26B-A4B's router: the unscaled norm of the layer's input, scaled per channel and by hidden^-0.5, picks
+    top_k experts by softmax (in float32, as transformers computes it at every dtype); their probabilities,
+    renormalized, times each chosen expert's own scale are its weights."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, eps: float):
+        super().__init__()
+        self.top_k = top_k
+        self.norm = RMSNorm(hidden, eps, with_scale=False)
+        self.proj = Linear(hidden, experts)
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(experts))
+
+    def forward(self, x):
+        """(expert ids [R, top_k], weights [R, top_k]) for rows x [R, H]."""
+        scores = self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5)
+        weights, ids = scores.softmax(-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights * self.per_expert_scale[ids]
+
+
+class Experts(nn.Module):
+    """The 26B-A4B's gelu-tanh experts, stacked [experts, out, in] (the loader splits the file's fused gate_up_proj
+    into gate_proj and up_proj). A few (row, expert) pairs gather their experts' weights; many run every expert
+    over every row, weighted by the routing (zero where not chosen), reading each expert once."""
+
+    def __init__(self, hidden: int, inter: int, experts: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(experts, inter, hidden))
+        self.up_proj = nn.Parameter(torch.empty(experts, inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def forward(self, x, ids, weights):
+        weights = weights.to(x.dtype)
+        if ids.numel() <= self.gate_proj.shape[0]:
+            flat, xr = ids.reshape(-1), x.repeat_interleave(ids.shape[1], dim=0)  # pair j: row j // k
+            h = F.gelu(torch.einsum("ph,pih->pi", xr, self.gate_proj[flat]), approximate="tanh") * \
+                torch.einsum("ph,pih->pi", xr, self.up_proj[flat])
+            out = torch.einsum("pi,phi->ph", h, self.down_proj[flat]) * weights.reshape(-1, 1)
+            return out.view(*ids.shape, -1).sum(1)
+        h = F.gelu(torch.einsum("rh,eih->rei", x, self.gate_proj), approximate="tanh") * \
+            torch.einsum("rh,eih->rei", x, self.up_proj)
+        out = torch.einsum("rei,ehi->reh", h, self.down_proj)
+        dense = torch.zeros(out.shape[:2], dtype=x.dtype, device=x.device).scatter(1, ids, weights)
+        return (out * dense[..., None]).sum(1)
+
+
 class Block(nn.Module):
     """One Gemma 4 decoder layer: attention and MLP each between a norm before and a norm after, the layer's
     output scaled by layer_scalar."""
@@ -327,11 +374,26 @@ class Block(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
+        self.moe = c.enable_moe_block
+        if self.moe:  # the 26B-A4B: experts beside the MLP, each branch normed before and after
+            self.router = Router(h, c.num_experts, c.top_k_experts, eps)
+            self.experts = Experts(h, c.moe_intermediate_size, c.num_experts)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
 
     def forward(self, x, cos, sin, cache_pos, mask):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache_pos, mask))
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x * self.layer_scalar
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe:
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(self.sparse(x))
+        return (x + self.post_feedforward_layernorm(h)) * self.layer_scalar
+
+    def sparse(self, x):
+        """The experts' branch: routed by the layer's input x itself, run on its pre_feedforward_layernorm_2."""
+        rows = x.reshape(-1, x.shape[-1])
+        ids, weights = self.router(rows)
+        return self.experts(self.pre_feedforward_layernorm_2(rows), ids, weights).view(x.shape)
 
 
 @torch.compiler.nested_compile_region

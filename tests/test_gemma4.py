@@ -1,10 +1,11 @@
 """Gemma 4 targets (gemma4.py) against transformers 5.24's gemma4, in float64 (transformers' float32 casts kept
 float64: conftest.float64_kept): random checkpoints written by transformers itself, in the text-only layout
-(Gemma4ForCausalLM) and the hub's multimodal one (Gemma4ForConditionalGeneration, a tiny vision tower that is not
-read), with sliding window 8, full layers of their own head size whose values are their keys, and prompts of three
-windows. Logits of a prefill, of cached decode steps and of a tree verify (each node against transformers run on
-its own path) equal transformers'; greedy ar equals transformers' greedy; dflash and ddtree with a Gemma-style
-drafter written by z-lab's `dflash` package (embedding scale, softcap, a sliding layer) equal ar."""
+(Gemma4ForCausalLM), the hub's multimodal one (Gemma4ForConditionalGeneration, a tiny vision tower that is not
+read) and with the 26B-A4B's MoE block beside the MLP, with sliding window 8, full layers of their own head size
+whose values are their keys, and prompts of three windows. Logits of a prefill, of cached decode steps and of a
+tree verify (each node against transformers run on its own path) equal transformers'; greedy ar equals
+transformers' greedy; dflash and ddtree with a Gemma-style drafter written by z-lab's `dflash` package (embedding
+scale, softcap, a sliding layer) equal ar."""
 
 import json
 import os
@@ -61,9 +62,12 @@ def randomized(module, seed: int):
     return module.double().eval()
 
 
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+
+
 def write_target(path: str, layout: str):
-    text = transformers.Gemma4TextConfig(**TEXT)
-    if layout == "text":
+    text = transformers.Gemma4TextConfig(**TEXT, **(MOE if layout == "moe" else {}), experts_implementation="eager")
+    if layout in ("text", "moe"):
         hf = transformers.Gemma4ForCausalLM(text)
     else:
         vision = transformers.models.gemma4.configuration_gemma4.Gemma4VisionConfig(
@@ -75,7 +79,7 @@ def write_target(path: str, layout: str):
     return hf
 
 
-@pytest.fixture(scope="module", params=["text", "hub"])
+@pytest.fixture(scope="module", params=["text", "hub", "moe"])
 def pair(request, tmp_path_factory):
     """(transformers' model, ours) of one layout."""
     path = str(tmp_path_factory.mktemp(f"gemma4-{request.param}"))
