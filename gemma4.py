@@ -409,6 +409,7 @@ def _layer_once(layer, x, cos, sin, positions, cache_pos, kv_num_blocks, kv_indi
 
 class Gemma4(nn.Module):
     recurrent = False  # no recurrent state: a catch-up may rerun committed tokens
+    recurrent_layers = ()  # none (what memory.recurrent_bytes_per_request sums over)
 
     def __init__(self, config: Gemma4Config):
         super().__init__()
@@ -457,7 +458,9 @@ class Gemma4(nn.Module):
         cos, sin = rope[layer.sliding]
         window = self.config.sliding_window if layer.sliding else 0
         if torch.compiler.is_compiling() and model.COMPILE_LAYERS_ONCE:
-            return _layer_once(layer, x, cos, sin, positions, cache_pos, *masks[False].prefix_tensors, window)
+            # (a region's inputs may not alias each other: a decode step's positions are its cache slots)
+            return _layer_once(layer, x, cos, sin, positions.clone(), cache_pos, *masks[False].prefix_tensors,
+                               window)
         return layer(x, cos, sin, cache_pos, masks[layer.sliding])
 
     def layer_masks(self, block_mask, positions) -> dict:
