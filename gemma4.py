@@ -1,5 +1,5 @@
 """Gemma 4 text targets (transformers 5.24's gemma4 / gemma4_text: the 31B's dense layout, the 26B-A4B's MoE block)
-as a family module: its own model class meeting ddtree.Target, built from the core's parts (model.Linear's stacked
+as a family module: its own model class meeting settings.Target, built from the core's parts (model.Linear's stacked
 projections, model.allocate_kv_caches, tree_attn's PrefixMask tables), and its loader.
 
 What differs from Qwen3 (docs/checkpoints.md, "Gemma 4"): sliding-window layers beside full-attention layers, each
@@ -408,8 +408,7 @@ def _layer_once(layer, x, cos, sin, positions, cache_pos, kv_num_blocks, kv_indi
 
 
 class Gemma4(nn.Module):
-    recurrent = False  # no recurrent state: a catch-up may rerun committed tokens
-    recurrent_layers = ()  # none (what memory.recurrent_bytes_per_request sums over)
+    recurrent_layers = ()  # no recurrent state (what memory.recurrent_bytes_per_request sums over)
 
     def __init__(self, config: Gemma4Config):
         super().__init__()
@@ -440,15 +439,6 @@ class Gemma4(nn.Module):
         for layer in self.layers:
             yield from (layer.self_attn.k_cache, layer.self_attn.v_cache)
 
-    def state_tensors(self):
-        return iter(())
-
-    def reset_recurrent(self):
-        pass
-
-    def commit_recurrent(self, recurrent, path, length):
-        pass
-
     def embed(self, tokens):
         # As transformers: sqrt(hidden) as a float32 buffer cast to the weights' dtype (73.5 for 5376 in bfloat16).
         scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(self.dtype)
@@ -472,14 +462,14 @@ class Gemma4(nn.Module):
             masks = {k: dense_mask(m) for k, m in masks.items()}
         return masks
 
-    def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), recurrent=None,
-                argmax=False):
-        """As model.Qwen3.forward (ddtree.Target); `recurrent` is ignored. The logits are softcapped, and argmax
-        picks from the softcapped logits, as transformers' greedy does."""
+    def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), argmax=False,
+                **hooks):
+        """As model.Qwen3.forward (settings.Target); a recurrent target's hooks are ignored. The logits are
+        softcapped, and argmax picks from the softcapped logits, as transformers' greedy does."""
         if tokens.dim() == 1:
             rows = None if logits_rows is None else logits_rows[None]
             logits, features = self(tokens[None], input_pos[None], cache_pos[None], block_mask, rows, feature_layers,
-                                    None, argmax)
+                                    argmax)
             logits = tuple(t[0] for t in logits) if argmax else logits[0]
             return logits, (None if features is None else features[0])
         x = self.embed(tokens)

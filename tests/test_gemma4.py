@@ -13,7 +13,6 @@ import os
 import pytest
 import torch
 
-import ddtree
 import gemma4
 from conftest import float64_kept
 from drafter import DFlashDrafter
@@ -33,21 +32,6 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidd
                          "sliding_attention", "full_attention"])
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def protocol_targets(monkeypatch):
-    """Until issue 61's check of the Target protocol lands, settings.check_models takes model.Qwen3 alone: let a
-    Gemma4 through it, every other check kept."""
-    original = ddtree.check_models
-
-    def check(target, drafter, method):
-        if isinstance(target, gemma4.Gemma4):
-            if method == "ar" and drafter is not None or method != "ar" and drafter is None:
-                return original(object.__new__(ddtree.Qwen3), drafter, method)
-            return None
-        return original(target, drafter, method)
-    monkeypatch.setattr(ddtree, "check_models", check)
 
 
 def randomized(module, seed: int):
