@@ -503,6 +503,10 @@ def from_pretrained(path_or_repo: str, device=None, dtype=None) -> Gemma4:
     where = os.path.join(path, "config.json")
     raw = read_json(where)
     config = gemma4_config(raw, where)
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        import tp  # under torchrun only
+        if tp.enabled():  # every rank would hold the whole model, and the engine would treat it as its shard
+            raise ValueError(f"{where}: Gemma 4 targets do not run under tensor parallel yet")
     check_layer_count(path, config.num_hidden_layers, where, SKIPPED_PREFIXES)
     device = parse_device(device)
     dtype = parse_dtype(dtype, device)

@@ -168,10 +168,18 @@ def test_speculative_greedy_equals_ar(pair, drafter, method):
     assert run.stats["rounds"] < NEW  # the drafts were read: some round accepted more than one token
 
 
+def config_dir(path, **fields) -> str:
+    with open(path / "config.json", "w") as f:
+        json.dump(dict(TEXT, model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], **fields), f)
+    return str(path)
+
+
 def test_small_models_are_refused(tmp_path):
-    config = dict(TEXT, hidden_size_per_layer_input=8, model_type="gemma4_text",
-                  architectures=["Gemma4ForCausalLM"])
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump(config, f)
     with pytest.raises(ValueError, match="per-layer input embeddings"):
-        gemma4.from_pretrained(str(tmp_path), device="cpu")
+        gemma4.from_pretrained(config_dir(tmp_path, hidden_size_per_layer_input=8), device="cpu")
+
+
+def test_tensor_parallel_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="do not run under tensor parallel"):
+        gemma4.from_pretrained(config_dir(tmp_path), device="cpu")
