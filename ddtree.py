@@ -48,13 +48,11 @@ from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_
 from settings import Speculation, Target, check_models, recurrent_target, check_recalibrate, check_request, check_settings, verify_rows
 from tree_attn import PrefixMask, compact_kv, round_up
 
-# Eager FlexAttention (eager engines on CUDA; on the CPU, cpu.EAGER_CPU_ATTENTION = "flex") warns that it materializes
-# the scores: it does, by design of the eager path; --compile is the fused kernel.
+# Eager FlexAttention warns that it materializes the scores: the eager path does, by design; --compile fuses it.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
-# Prompt rows per target forward, fixed per device so that one compiled graph serves every prompt length. On the
-# CPU a chunk costs its rows' arithmetic; on a GPU a forward of a few hundred rows costs little more than one of
-# 128 (the weights' reads dominate), and a 30K-token prompt takes 59 forwards instead of 235.
+# Prompt rows per target forward, fixed per device so that one compiled graph serves every prompt length: on a GPU a
+# forward of a few hundred rows costs little more than one of 128 (the weights' reads dominate).
 PREFILL_CHUNK = 128
 PREFILL_CHUNKS = {"cuda": 512}
 DEFAULT_TARGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-target")
