@@ -39,8 +39,7 @@ import torch  # noqa: E402
 import compiling
 import batch
 from batch import Requests, RequestsFailed, Result
-from draft_tree import (Lattice, ancestor_matrix, build_lattice_tree, build_lattice_tree_heap, build_tree,
-                        build_tree_heap, walk_lattice)
+from draft_tree import ancestor_matrix, beyond_room, build_tree, build_tree_heap, within_room
 from drafter import DFlashDrafter
 from gated_delta import Recurrent
 from rope import position_limit
@@ -142,25 +141,6 @@ def generate_batch(target: Target, drafter: DFlashDrafter | None = None, prompts
     if any(r.error is not None for r in results):
         raise RequestsFailed(results)
     return results
-
-
-def beyond_room(logq: torch.Tensor, room: torch.Tensor | None) -> torch.Tensor:
-    """Draft log-laws [N, D, ...] with every depth past the room [N] at probability 0: the best tree of any budget
-    then holds every prefix within the room before any past it (draft_tree.py, "Order": -inf scores come last, and
-    among them the shallower first), so its nodes within the room are the best tree the room allows."""
-    if room is None:
-        return logq
-    past = torch.arange(1, logq.shape[1] + 1, device=logq.device) > room[:, None]
-    return logq.masked_fill(past.view(*past.shape, *[1] * (logq.dim() - 2)), float("-inf"))
-
-
-def within_room(tokens, parents, depths, room):
-    """A tree's (or chain's) nodes [N, B] deeper than the room [N] made padding (token 0, parent -1, depth 0): their
-    positions would lie past the limit. The nodes kept are closed under parents: each one's ancestors are shallower."""
-    if room is None:
-        return tokens, parents, depths
-    kept = depths <= room[:, None]
-    return torch.where(kept, tokens, 0), torch.where(kept, parents, -1), torch.where(kept, depths, 0)
 
 
 def host_read(**parts) -> list[dict]:
@@ -329,10 +309,11 @@ class Engine:
     def propose(self, draft_logits, draft_noise, room=None):
         """(tokens, parents, depths, q), each [N, nodes]: the nodes in parent-first order, none deeper than the
         room [N] (padding in their place; None: no limit within reach, for a stage timed alone); q the warped
-        draft law when the chain's drafts are sampled (for the min(1, p/q) rule), else None. A DFlash 2 draft (a
-        Lattice) is cut the same ways: its best tree, or the selector's chain."""
-        if isinstance(draft_logits, Lattice):
-            return self.propose_lattice(draft_logits, draft_noise, room)
+        draft law when the chain's drafts are sampled (for the min(1, p/q) rule), else None. A draft that is not
+        per-position logits is its drafter's to cut, in the same ways (the hook `propose`: DFlash 2's lattice,
+        dflash2.py)."""
+        if not torch.is_tensor(draft_logits):
+            return self.drafter.propose(self, draft_logits, draft_noise, room)
         if self.method == "ddtree":
             logq = torch.log_softmax(tempered(draft_logits, self.spec.draft_temperature), dim=-1)
             return (*within_room(*self.build_tree(beyond_room(logq, room), self.tree_size), room), None)
@@ -344,26 +325,10 @@ class Engine:
             return (*within_room(sample(q, draft_noise), chain_parents, depths, room), q)
         return (*within_room(draft_logits.argmax(-1), chain_parents, depths, room), None)
 
-    def propose_lattice(self, lattice, draft_noise, room):
-        """propose() for a DFlash 2 draft: the best tree of the lattice (its laws tempered by draft_temperature),
-        or the selector's chain: greedy, or sampled at the target's temperature with q over its candidates."""
-        if self.method == "ddtree":
-            logq = torch.log_softmax(tempered(lattice.scores, self.spec.draft_temperature), dim=-1)
-            build = build_lattice_tree if self.build_tree is build_tree else build_lattice_tree_heap
-            return (*within_room(*build(lattice.tokens, beyond_room(logq, room), self.tree_size), room), None)
-        n = lattice.tokens.shape[0]
-        chain_parents = torch.arange(self.draft_len, device=lattice.tokens.device).expand(n, -1)
-        temperature = self.sampling.temperature if self.spec.draft_sampling else 0.0
-        tokens, q = walk_lattice(lattice, self.draft_len, self.target.config.vocab_size, temperature, draft_noise)
-        return (*within_room(tokens, chain_parents, chain_parents + 1, room), q)
-
     def chain(self, draft_logits, room=None):
         """The drafter's greedy chain [N, D] within the room (-1, no token, past it): budget auto's tally of what
-        the chain would accept."""
-        if isinstance(draft_logits, Lattice):
-            chain = walk_lattice(draft_logits, self.max_depth, self.target.config.vocab_size)[0]
-        else:
-            chain = draft_logits.argmax(-1)
+        the chain would accept (a draft not of per-position logits: its drafter's chain, with propose)."""
+        chain = draft_logits.argmax(-1) if torch.is_tensor(draft_logits) else self.drafter.chain(draft_logits)
         if room is None:
             return chain
         return torch.where(torch.arange(chain.shape[-1], device=chain.device) < room[:, None], chain, -1)

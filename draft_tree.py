@@ -37,11 +37,8 @@ import heapq
 import itertools
 import math
 import struct
-from dataclasses import dataclass
 
 import torch
-
-from sampler import sample
 
 
 def f32(x: float) -> float:
@@ -71,8 +68,8 @@ def order_key(score: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
 
 def ranked_topk(logq: torch.Tensor, k: int):
     """The k best entries of logq's last dim in rank order (value descending, index ascending): the top-K tokens
-    of each depth, or a lattice's candidates after each predecessor. Returns (values [..., k] float32,
-    indices [..., k] int64)."""
+    of each depth (or a DFlash 2 lattice's candidates after each predecessor, dflash2.py). Returns
+    (values [..., k] float32, indices [..., k] int64)."""
     logq = logq.float()
     idx = torch.arange(logq.shape[-1], device=logq.device)
     ids = order_key(logq, idx.expand_as(logq)).topk(k, dim=-1).indices
@@ -208,125 +205,23 @@ def ordered_tree(scores, ties, toks, parent_idx, depth_of, budget: int):
     return (torch.where(real, tokens, 0), torch.where(real, parents, -1), torch.where(real, depths, 0))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Trees over a lattice: DFlash 2's selector, where a position's law depends on the token before it
+def beyond_room(logq: torch.Tensor, room: torch.Tensor | None) -> torch.Tensor:
+    """Draft log-laws [N, D, ...] with every depth past the room [N] at probability 0: the best tree of any budget
+    then holds every prefix within the room before any past it ("Order" above: -inf scores come last, and
+    among them the shallower first), so its nodes within the room are the best tree the room allows."""
+    if room is None:
+        return logq
+    past = torch.arange(1, logq.shape[1] + 1, device=logq.device) > room[:, None]
+    return logq.masked_fill(past.view(*past.shape, *[1] * (logq.dim() - 2)), float("-inf"))
 
 
-@dataclass
-class Lattice:
-    """A DFlash 2 draft: at each of L positions K candidate tokens, and their scores after each candidate of the
-    position before (the layered graph a tree is cut from; drafter.CandidateSelector).
-
-    tokens [N, L, K] (distinct per position); scores [N, L, K, K]: scores[n, d, p, c] scores candidate c
-    of position d after candidate p of position d - 1 (position 0 follows the anchor, the round's bonus: its K
-    rows are equal and row 0 is the one read), in float32 (float64 for a float64 drafter). The draft law of position
-    d after p is softmax(scores[n, d, p])."""
-    tokens: torch.Tensor
-    scores: torch.Tensor
-
-    def clone(self) -> "Lattice":
-        return Lattice(self.tokens.clone(), self.scores.clone())
-
-
-def build_lattice_tree_heap(tokens: torch.Tensor, logq: torch.Tensor, budget: int):
-    """Algorithm 1 over a lattice: the best-first heap of build_tree_heap, where a node's children are ranked by
-    the law after its own token (its candidate index, its "state"). tokens [L, K] or [N, L, K], logq [L, K, K] or
-    [N, L, K, K] (log-laws: log_softmax of Lattice.scores); output as build_tree_heap's.
-
-    Why it is the best tree: the expected acceptance length of a tree is still the sum of its nodes' prefix
-    probabilities (Prop. 1 of the paper needs only that a node is accepted iff its prefix is), so the best tree is
-    the `budget` most probable prefixes, and they are prefix-closed since a child's probability is its parent's
-    times a factor <= 1. The heap pops prefixes in the global order of draft_tree's "Order" (a child never before
-    its parent, nor a sibling before its elder sibling, as log-laws are <= 0 and rounding is monotone)."""
-    assert budget >= 1
-    if tokens.dim() == 3:
-        return tuple(torch.stack(t) for t in zip(*(build_lattice_tree_heap(a, b, budget)
-                                                     for a, b in zip(tokens, logq))))
-    L, K = tokens.shape
-    topv, topc = (t.tolist() for t in ranked_topk(logq, K))
-    toks = tokens.tolist()
-    out_tokens, parents, depths = [0] * budget, [-1] * budget, [0] * budget
-    # Heap items: the order key (-score, depth, parent's row, rank), then the parent's score and state.
-    heap = [(-f32(0.0 + topv[0][0][0]), 1, 0, 0, 0.0, 0)]
-    n = 0
-    while n < budget and heap:
-        neg_score, d, parent_row, r, parent_score, parent_state = heapq.heappop(heap)
-        state = topc[d - 1][parent_state][r]
-        out_tokens[n], parents[n], depths[n] = toks[d - 1][state], parent_row, d
-        n += 1  # this node is row n
-        if r + 1 < K:  # next sibling
-            s = f32(parent_score + topv[d - 1][parent_state][r + 1])
-            heapq.heappush(heap, (-s, d, parent_row, r + 1, parent_score, parent_state))
-        if d < L:  # first child, ranked by the law after this node's token
-            s = f32(-neg_score + topv[d][state][0])
-            heapq.heappush(heap, (-s, d + 1, n, 0, -neg_score, state))
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=tokens.device)
-    return as_tensor(out_tokens), as_tensor(parents), as_tensor(depths)
-
-
-def build_lattice_tree(tokens: torch.Tensor, logq: torch.Tensor, budget: int):
-    """build_lattice_tree_heap's exact output from tensor ops: fixed shapes, no host sync (build_tree's method).
-
-    Depth by depth, the kept prefixes of the previous depth (the frontier, in key order) each offer their K
-    children, ranked by the law after the prefix's last token; the best of them are kept, then the global best
-    `budget` of all kept prefixes are taken. Exact for the reason build_tree is: the answer G is a down-set of the
-    order, and a depth's part of G (at most budget - D + 1 nodes: each has its D - 1 ancestors in G) is among the
-    depth's best budget - D + 1 candidates. Every child of the frontier is a candidate: build_tree's bound does not
-    hold here, as a child's log-law depends on its parent's token (a child of an earlier parent need not score
-    higher), so a depth has at most budget * K candidates."""
-    if tokens.dim() == 2:
-        return tuple(t.squeeze(0) for t in build_lattice_tree(tokens.unsqueeze(0), logq.unsqueeze(0), budget))
-    assert budget >= 1 and budget * tokens.shape[-1] < 2**31  # tie-breaks must fit order_key
-    batch, L, K = tokens.shape
-    dev = tokens.device
-    topv, topc = ranked_topk(logq, K)  # [N, L, K (predecessor), K (rank)]
-    score = torch.zeros(batch, 1, device=dev)
-    state = torch.zeros(batch, 1, dtype=torch.int64, device=dev)  # the root's predecessor row: the anchor's
-    scores, ties, toks, parent_idx, depth_of = [], [], [], [], []
-    prev_offset, offset = 0, 1
-    for d in range(L):
-        depth = d + 1
-        limit = budget - depth
-        if limit < 0:
-            break
-        F = score.shape[-1]
-        pairs = torch.arange(F * K, device=dev)  # pi-major pairs (pi, k)
-        parent, child = pairs // K, pairs % K
-        ranked = lambda t: t[:, d].gather(1, state[..., None].expand(-1, -1, K)).reshape(batch, F * K)
-        cand = score[:, parent] + ranked(topv)
-        key = order_key(cand, parent * K + child)
-        n = min(limit + 1, F * K)
-        keep = key.topk(n, dim=-1).indices  # best first: the next frontier, in key order
-        score = cand.gather(-1, keep)
-        state = ranked(topc).gather(-1, keep)
-        scores.append(score)
-        ties.append(offset + torch.arange(n, device=dev))
-        toks.append(tokens[:, d].gather(-1, state))
-        parent_idx.append(prev_offset + parent[keep])
-        depth_of.append(torch.full((n,), depth, device=dev))
-        prev_offset, offset = offset, offset + n
-    return ordered_tree(scores, ties, toks, parent_idx, depth_of, budget)
-
-
-def walk_lattice(lattice: Lattice, length: int, vocab: int, temperature: float = 0.0, noise=None):
-    """The selector's chain over the first `length` positions: from the anchor, each position's candidate after
-    the one before, the argmax of its scores (temperature 0; the first of equal scores) or a draw from
-    softmax(scores / temperature) with one uniform of noise [N, length] per position (sampler.sample).
-    Returns (tokens [N, length], q [N, length, V]: the law each draft was drawn from, over the vocabulary, in the
-    scores' dtype, for the min(1, p/q) rule; None when greedy), V being `vocab`."""
-    n = lattice.tokens.shape[0]
-    state = torch.zeros(n, 1, dtype=torch.int64, device=lattice.tokens.device)
-    tokens, laws = [], []
-    for d in range(length):
-        scores = lattice.scores[:, d].gather(1, state[..., None].expand(-1, 1, lattice.scores.shape[-1]))[:, 0]
-        if temperature > 0:
-            law = torch.softmax(scores / temperature, dim=-1)
-            state = sample(law, noise[:, d])[:, None]
-            laws.append(law.new_zeros(n, vocab).scatter(-1, lattice.tokens[:, d], law))  # the scores' dtype
-        else:
-            state = scores.argmax(-1, keepdim=True)
-        tokens.append(lattice.tokens[:, d].gather(1, state))
-    return torch.cat(tokens, 1), (torch.stack(laws, 1) if laws else None)
+def within_room(tokens, parents, depths, room):
+    """A tree's (or chain's) nodes [N, B] deeper than the room [N] made padding (token 0, parent -1, depth 0): their
+    positions would lie past the limit. The nodes kept are closed under parents: each one's ancestors are shallower."""
+    if room is None:
+        return tokens, parents, depths
+    kept = depths <= room[:, None]
+    return torch.where(kept, tokens, 0), torch.where(kept, parents, -1), torch.where(kept, depths, 0)
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None, dtype=torch.bool) -> torch.Tensor:

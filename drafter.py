@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafters (z-lab checkpoint formats, DFlash 1 and 2) in our own modules.
+"""The DFlash block-diffusion drafter (z-lab's checkpoint format) in our own modules.
 
 A round drafts one block `[bonus, MASK x (block_size - 1)]` per request at absolute positions start .. start +
 block_size - 1. Every layer is a Qwen3 layer whose keys/values are those of the context (the target's chosen-layer
@@ -10,10 +10,7 @@ Only the context's K/V persist between rounds (one cache buffer per layer, like 
 are written into the slots just after the context and overwritten by the next round. Context features are
 appended with a fixed width so every round has the same shapes and compiles once.
 
-DFlash 2 (`DFlash2DraftModel`) adds two things (docs/checkpoints.md, "DFlash 2"): in every layer a grouped dynamic
-causal convolution over the block's rows around the attention and around the MLP, and a candidate selector: the
-drafter's top-K tokens per position, scored with a low-rank term of the token before them, so that a position's
-law depends on its predecessor (draft_tree.Lattice).
+DFlash 2 (`DFlash2DraftModel`) is its own module, dflash2.py, which from_pretrained hands its checkpoints over to.
 """
 
 import os
@@ -21,11 +18,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from loading import (check_layer_count, check_pair, dflash_config_fields, load_weights, on_meta, parse_device,
-                     parse_dtype, read_json, resolve_checkpoint)
-from draft_tree import Lattice
+from loading import (check_layer_count, check_pair, dflash_architecture, dflash_config_fields, load_weights,
+                     on_meta, parse_device, parse_dtype, read_json, resolve_checkpoint)
 from gated_delta import compute_dtype
 from model import Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, rope_cos_sin, run_layer
 from rope import rope_frequencies
@@ -45,11 +40,6 @@ class DFlashConfig:
     output_multiplier: float = 1.0  # logits = lm_head(h) * output_multiplier, then the softcap
     logit_softcap: float | None = None  # final_logit_softcapping: logits = c * tanh(logits / c)
     input_embedding_scale: float = 1.0  # the block's embeddings are scaled by it
-    # DFlash 2 (0 = DFlash 1): the convolutions' kernel and group sizes, the selector's rank and candidates
-    conv_kernel_size: int = 0
-    conv_group_size: int = 0
-    selector_rank: int = 0
-    selector_top_k: int = 0
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
@@ -65,112 +55,18 @@ class DFlashConfig:
         """The distinct (window, causal) of the layers: one block mask each (ddtree.Engine)."""
         return sorted({self.attention_of(i) for i in range(self.model.num_hidden_layers)}, key=str)
 
-    @property
-    def selector(self) -> bool:
-        """Whether this is a DFlash 2 drafter (a candidate selector; drafts are a Lattice)."""
-        return self.selector_top_k > 0
-
-
-def grouped_dynamic_conv(x, dynamic, base, group: int):
-    """out[t] = sum_{o < K} (base[o] + dynamic[t, o, g]) * x[t - o] over the rows t of each request's block
-    (x[t - o] = 0 before the block's first row: the context is never convolved). x [N, T, C]; dynamic
-    [N, T, K, C / group] (one correction per group g of `group` channels, from the row's own input); base [K, C]."""
-    N, T, C = x.shape
-    K, groups = base.shape[0], C // group
-    blocks = x.view(N, T, groups, group)
-    out = torch.zeros_like(blocks)
-    for o in range(K):
-        shifted = blocks if o == 0 else F.pad(blocks[:, :T - o], (0, 0, 0, 0, o, 0))
-        out = out + (base[o].view(groups, group) + dynamic[:, :, o, :, None]) * shifted
-    return out.view(N, T, C)
-
-
-class GroupedDynamicConv(nn.Module):
-    """DFlash 2's convolution around a sublayer: the sublayer's normed input h gives, through one projection, the
-    per-group corrections of two kernels (`prepare`: the first convolves h before the sublayer; `finish`: the
-    second convolves the sublayer's output with the corrections computed from h)."""
-
-    def __init__(self, hidden: int, kernel: int, group: int):
-        super().__init__()
-        self.kernel, self.group = kernel, group
-        self.base_kernel = nn.Parameter(torch.empty(2, kernel, hidden))
-        self.kernel_projection = Linear(hidden, 2 * kernel * (hidden // group))
-
-    def prepare(self, h):
-        dynamic = self.kernel_projection(h).view(*h.shape[:-1], 2, self.kernel, h.shape[-1] // self.group)
-        return grouped_dynamic_conv(h, dynamic[:, :, 0], self.base_kernel[0], self.group), dynamic[:, :, 1]
-
-    def finish(self, out, dynamic):
-        return grouped_dynamic_conv(out, dynamic, self.base_kernel[1], self.group)
-
-
-class DFlash2Block(Block):
-    """A DFlash 2 drafter layer: a Qwen3 layer whose attention and MLP each sit between the two kernels of a
-    GroupedDynamicConv."""
-
-    def __init__(self, c: Qwen3Config, kernel: int, group: int):
-        super().__init__(c)
-        self.attention_conv = GroupedDynamicConv(c.hidden_size, kernel, group)
-        self.mlp_conv = GroupedDynamicConv(c.hidden_size, kernel, group)
-
-    def forward(self, x, cos, sin, cache_pos, mask, recurrent=None):
-        h, dynamic = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(h, cos, sin, cache_pos, mask), dynamic)
-        h, dynamic = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.finish(self.mlp(h), dynamic)
-
-
-class CandidateSelector(nn.Module):
-    """DFlash 2's selector: the drafter's top-K tokens at each draft position, each scored by its logit plus a
-    low-rank term coupling it to the token before it, (P[prev] * W h) . S[token], with P, S the predecessor and
-    successor codebooks (published without `.weight`: CODEBOOK_ALIASES) and h the drafter's output at the
-    position."""
-
-    def __init__(self, vocab: int, hidden: int, rank: int, top_k: int):
-        super().__init__()
-        self.top_k = top_k
-        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
-        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
-        self.hidden_projection = Linear(hidden, rank)
-
-    def lattice(self, hidden, logits, anchor) -> Lattice:
-        """hidden [N, L, H], logits [N, L, V] (float32, or float64) of the L draft positions, anchor [N] (the
-        bonus, the token before position 0) -> the Lattice of candidates [N, L, K] (logit order) and scores
-        [N, L, K, K]: row p of position d scores the candidates after candidate p of position d - 1 (after the
-        anchor for d = 0, whose K rows are equal)."""
-        K = min(self.top_k, logits.shape[-1])
-        unary, tokens = logits.topk(K, dim=-1)
-        before = torch.cat([anchor[:, None, None].expand(-1, 1, K), tokens[:, :-1]], dim=1)  # [N, L, K]
-        return Lattice(tokens, self.scores(hidden, before, tokens, unary))
-
-    def scores(self, hidden, before, tokens, unary):
-        """The selector's scores [..., P, K] of candidates tokens [..., K] (logits `unary` [..., K]) after each
-        of the tokens before [..., P], at positions of drafter outputs hidden [..., H], in the logits' dtype."""
-        f = unary.dtype
-        h = self.hidden_projection(hidden).to(f)[..., None, :]  # [..., 1, r]
-        pred = self.predecessor_codebook[before].to(f) * h  # [..., P, r]
-        succ = self.successor_codebook[tokens].to(f)  # [..., K, r]
-        return unary[..., None, :] + pred @ succ.transpose(-1, -2)
-
-
-# z-lab publishes the codebooks without `.weight`, and its package's save_pretrained writes them with it (its
-# modules are nn.Embeddings); the package reads both, and so do we.
-CODEBOOK_ALIASES = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
-                    for name in ("predecessor_codebook", "successor_codebook")}
-
 
 class DFlashDrafter(nn.Module):
+    config_type = DFlashConfig  # what from_pretrained reads config.json into
+    weight_aliases = None  # load_weights' aliases: other names a checkpoint may store a tensor under
+    # The tokens of each depth a tree may hold: None, the vocabulary's top min(budget, vocab) (settings.check_orderable)
+    candidates_per_depth: int | None = None
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config, self.block_size = config, config.block_size
         c = config.model
-        if config.selector:
-            self.layers = nn.ModuleList(DFlash2Block(c, config.conv_kernel_size, config.conv_group_size)
-                                        for _ in range(c.num_hidden_layers))
-            self.candidate_selector = CandidateSelector(c.vocab_size, c.hidden_size, config.selector_rank,
-                                                        config.selector_top_k)
-        else:
-            self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
         for i, layer in enumerate(self.layers):  # which of draft()'s masks each layer takes
             layer.mask_kind = config.attention_of(i)
         self.fc = Linear(len(config.target_layer_ids) * c.hidden_size, c.hidden_size)
@@ -235,9 +131,8 @@ class DFlashDrafter(nn.Module):
         return logits
 
     def draft(self, bonus, start, masks: dict, denoise_steps: int = 1, length: int | None = None):
-        """Per-position draft logits [N, length, vocab] (a DFlash 2 drafter: the draft_tree.Lattice of its
-        selector) for the first `length` (default and at most block_size - 1) positions after each request's bonus
-        [N] at start [N]. A shorter length changes no logit:
+        """Per-position draft logits [N, length, vocab] for the first `length` (default and at most block_size - 1)
+        positions after each request's bonus [N] at start [N]. A shorter length changes no logit:
         every row of the block still runs through every layer (the rows see each other), and only the unused
         rows' final norm and lm_head are skipped; a tree of B nodes is at most B deep, so ddtree needs only
         min(B, block_size - 1) of them.
@@ -250,17 +145,9 @@ class DFlashDrafter(nn.Module):
         """
         bs, n = self.block_size, bonus.shape[0]
         length = length or bs - 1
-        pos = start[:, None] + torch.arange(bs, device=bonus.device)
-        mask_tokens = torch.full((n, bs - 1), self.config.mask_token_id, dtype=torch.long, device=bonus.device)
-        tokens = torch.cat([bonus[:, None], mask_tokens], dim=1)
+        tokens, pos = self.block(bonus, start)
         if denoise_steps == 1:
-            hidden = self(tokens, pos, pos, masks, rows=slice(1, 1 + length))
-            logits = self.logits(hidden)
-            if self.config.selector:
-                return self.candidate_selector.lattice(hidden, logits, bonus)
-            return logits
-        if self.config.selector:
-            raise ValueError("denoise_steps > 1 is not supported for DFlash 2 drafters")
+            return self.logits(self(tokens, pos, pos, masks, rows=slice(1, 1 + length)))
         logits = self.logits(self(tokens, pos, pos, masks))[:, 1:]
         masked = torch.ones(n, bs - 1, dtype=torch.bool, device=bonus.device)
 
@@ -277,16 +164,27 @@ class DFlashDrafter(nn.Module):
             logits = torch.where(masked[..., None], new, logits)
         return logits[:, :length]
 
+    def block(self, bonus, start):
+        """Each request's block [bonus, MASK x (block_size - 1)] [N, block_size] and its positions from start [N]."""
+        pos = start[:, None] + torch.arange(self.block_size, device=bonus.device)
+        mask_tokens = torch.full((bonus.shape[0], self.block_size - 1), self.config.mask_token_id, dtype=torch.long,
+                                 device=bonus.device)
+        return torch.cat([bonus[:, None], mask_tokens], dim=1), pos
+
     @classmethod
     def from_pretrained(cls, path_or_repo: str, device=None, dtype=None) -> "DFlashDrafter":
         path = resolve_checkpoint(path_or_repo, "drafter")
         where = os.path.join(path, "config.json")
-        config = DFlashConfig.from_dict(read_json(where), where)
+        d = read_json(where)
+        if cls is DFlashDrafter and dflash_architecture(d, where) == "DFlash2DraftModel":
+            import dflash2  # DFlash 2's own module, imported for its checkpoints alone
+            return dflash2.DFlash2Drafter.from_pretrained(path, device, dtype)
+        config = cls.config_type.from_dict(d, where)
         check_layer_count(path, config.model.num_hidden_layers, where)
         device = tp.setup(parse_device(device))  # under torchrun: this rank's GPU (the drafter is replicated)
         dtype = parse_dtype(dtype, device)
         drafter = on_meta(lambda: cls(config), where)
-        load_weights(drafter, path, strip_prefix="", device=device, dtype=dtype, aliases=CODEBOOK_ALIASES)
+        load_weights(drafter, path, strip_prefix="", device=device, dtype=dtype, aliases=cls.weight_aliases)
         drafter.inv_freq = rope_frequencies(config.model, device)[0]
         drafter.path = path
         return drafter.eval()

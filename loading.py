@@ -736,21 +736,31 @@ def eos_ids_of(path: str, config: dict, vocab: int) -> list[int]:
 DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
-def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
-    """drafter.DFlashConfig's fields from a z-lab DFlash (1 or 2) config.json, every value checked; its own
-    layers' Qwen3 fields as "model" (dense, whatever its target). A DFlash setting is read as z-lab's `dflash`
-    package reads it: from `dflash_config` first, else from the top level."""
+def dflash_architecture(d: dict, where: str = "config.json") -> str:
+    """Which DFlash drafter a config.json describes (one of DFLASH_ARCHITECTURES), or a ValueError."""
     archs = d.get("architectures") or []
     kind = next((a for a in DFLASH_ARCHITECTURES if a in archs), None) if isinstance(archs, list) else None
     if kind is None:
         raise ValueError(f"{where}: not a DFlash drafter (architectures={archs}, expected one of "
                          f"{', '.join(DFLASH_ARCHITECTURES)})")
-    dflash = d.get("dflash_config") or {}
-    if not isinstance(dflash, dict):
+    return kind
+
+
+def dflash_setting(d: dict, key: str, default=None):
+    """A DFlash setting, read as z-lab's `dflash` package reads it: from `dflash_config` first, else from the top
+    level."""
+    return (d.get("dflash_config") or {}).get(key, d.get(key, default))
+
+
+def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
+    """drafter.DFlashConfig's fields from a z-lab DFlash config.json, every value checked; its own layers' Qwen3
+    fields as "model" (dense, whatever its target). A family's own fields (DFlash 2's) are its module's."""
+    dflash_architecture(d, where)
+    if not isinstance(d.get("dflash_config") or {}, dict):
         raise ValueError(f"{where}: dflash_config must be a JSON object")
 
     def value(key, default=None):
-        return dflash.get(key, d.get(key, default))
+        return dflash_setting(d, key, default)
 
     rest = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "use_sliding_window",
                                                     "is_causal")}
@@ -778,25 +788,11 @@ def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
     if softcap is not None and (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
                                 or not math.isfinite(softcap) or softcap < 0):
         raise ValueError(f"{where}: final_logit_softcapping must be a non-negative number or null, got {softcap!r}")
-    two = dict(conv_kernel_size=0, conv_group_size=0, selector_rank=0, selector_top_k=0)
-    if kind == "DFlash2DraftModel":
-        two = {k: positive(where, {k: value(k)}, k) if value(k) is not None else
-               missing_field(where, f"dflash_config.{k}") for k in two}
-        if model["hidden_size"] % two["conv_group_size"]:
-            raise ValueError(f"{where}: hidden_size={model['hidden_size']} is not a multiple of conv_group_size="
-                             f"{two['conv_group_size']}")
-        if two["conv_kernel_size"] > value("block_size") + 1:  # its taps reach back over the block's rows only
-            raise ValueError(f"{where}: conv_kernel_size={two['conv_kernel_size']} is larger than block_size + 1 = "
-                             f"{value('block_size') + 1} (a tap past the block's first row)")
     return dict(model=model, block_size=value("block_size"), num_target_layers=value("num_target_layers"),
                 target_layer_ids=list(ids), mask_token_id=value("mask_token_id"), attention=attention,
                 output_multiplier=float(scales["output_multiplier"]),
                 input_embedding_scale=float(scales["input_embedding_scale"]),
-                logit_softcap=float(softcap) if softcap else None, **two)
-
-
-def missing_field(where: str, name: str):
-    raise ValueError(f"{where}: a DFlash2DraftModel needs {name}")
+                logit_softcap=float(softcap) if softcap else None)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -187,11 +187,12 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
 
 def check_orderable(budget, drafter, vocab: int):
     """A tree of `budget` nodes is one the tree builders can order: draft_tree.order_key breaks ties with an index
-    below 2**31 among budget x (tokens per depth) candidates (a DFlash 2 drafter's candidates, else the vocabulary's
-    top min(budget, vocab)). The verify's rows need no room before the limit: a round near it drafts fewer."""
+    below 2**31 among budget x (tokens per depth) candidates (the drafter's candidates_per_depth, else the
+    vocabulary's top min(budget, vocab)). The verify's rows need no room before the limit: a round near it drafts
+    fewer."""
     if not is_int(budget):  # None (the chain) or "auto" (trees of AUTO_BUDGETS)
         return
-    width = drafter.config.selector_top_k if drafter.config.selector else min(budget, vocab)
+    width = drafter.candidates_per_depth or min(budget, vocab)
     if budget * width >= 2**31:
         raise ValueError(f"budget {budget} is more than the tree builder can order over {width} tokens per depth "
                          f"(at most {(2**31 - 1) // width})")

@@ -31,6 +31,7 @@ from cpu import AUTOTUNE_OPTIONS, compile_frozen, use_cpu_classes  # noqa: E402
 from compiling import guards  # noqa: E402
 import batch as batching  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
+from dflash2 import DFlash2Config, DFlash2Drafter  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from gated_delta import Recurrent  # noqa: E402
 from model import Qwen3, Qwen3Config  # noqa: E402
@@ -563,8 +564,8 @@ def build_drafter(target: Qwen3, block: int, layers: int, seed: int = 1, std: fl
                   model: dict | None = None, **dflash) -> DFlashDrafter:
     """A random DFlash drafter (plain Qwen3 layers whatever the target's) reading z-lab's Qwen3-8B layers on a
     36-layer target, else the first three (or `ids`). `model` overrides the layers' shapes (heads, MLP width), taken
-    from the target by default; `dflash` sets DFlashConfig's other fields (DFlash 2's convolutions and selector,
-    per-layer attention)."""
+    from the target by default; `dflash` sets DFlashConfig's other fields (per-layer attention; DFlash 2's
+    convolutions and selector: a dflash2.DFlash2Drafter)."""
     t = target.config
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
@@ -572,9 +573,11 @@ def build_drafter(target: Qwen3, block: int, layers: int, seed: int = 1, std: fl
     config = Qwen3Config(**shape, num_hidden_layers=layers, tie_word_embeddings=False)
     if ids is None:
         ids = [1, 9, 17, 25, 33] if t.num_hidden_layers == 36 else list(range(min(3, t.num_hidden_layers)))
-    dc = DFlashConfig(model=config, block_size=block, num_target_layers=t.num_hidden_layers, target_layer_ids=ids,
-                      mask_token_id=t.vocab_size - 1, **dflash)
-    drafter = materialize(lambda: DFlashDrafter(dc), target.device, target.dtype)
+    two = "selector_top_k" in dflash
+    cls, config_type = (DFlash2Drafter, DFlash2Config) if two else (DFlashDrafter, DFlashConfig)
+    dc = config_type(model=config, block_size=block, num_target_layers=t.num_hidden_layers, target_layer_ids=ids,
+                     mask_token_id=t.vocab_size - 1, **dflash)
+    drafter = materialize(lambda: cls(dc), target.device, target.dtype)
     fill_random(drafter, seed, std, False)
     drafter.inv_freq = rope_frequencies(config, target.device)[0]
     return drafter.eval().bind(target)

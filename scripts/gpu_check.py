@@ -73,7 +73,8 @@ import compiling  # noqa: E402
 import ddtree  # noqa: E402
 import gated_delta  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch, prefill_chunk  # noqa: E402
-from draft_tree import Lattice, ancestor_matrix  # noqa: E402
+from dflash2 import DFlash2Drafter, Lattice  # noqa: E402
+from draft_tree import ancestor_matrix  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from memory import memory_per_token  # noqa: E402
 from model import Qwen3  # noqa: E402
@@ -518,7 +519,7 @@ def ar_profile(run, out):
 def stage_split(engine, drafter, bonus, start, measure):
     """The round's five stages, each through measure(name, kind of graph, fn, *args) in the round's order, each
     taking the outputs of the stages before it."""
-    if drafter.config.selector:  # a Lattice crosses the stages' edges as its two tensors
+    if isinstance(drafter, DFlash2Drafter):  # a Lattice crosses the stages' edges as its two tensors
         def draft(b, s):
             lattice = engine.draft(b, s)
             return lattice.tokens, lattice.scores

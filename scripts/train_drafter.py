@@ -48,7 +48,7 @@ for p in (HERE, ROOT):
 
 from checkpoints import (add_training_options, as_dflash2, load_train_state, save_checkpoint,  # noqa: E402
                          save_train_state, stdlib_files, zlab_config, zlab_weights, atomic_write, write_json_file)
-from draft_tree import walk_lattice  # noqa: E402
+from dflash2 import DFlash2Config, DFlash2Drafter, walk_lattice  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from loading import check_pair  # noqa: E402
 from loading import read_json  # noqa: E402
@@ -377,7 +377,7 @@ def batch_loss(a, drafter, target, tokens, generator, block_size, mask_id):
             blocks, positions = block_inputs(tokens, anchors, block_size, mask_id)
             logits, hidden = training_forward(drafter, embed, lm_head, features, blocks, positions, mask)
             loss = dflash_loss(logits, labels, valid, a.gamma, tl, a.kl_weight)
-            if drafter.config.selector:
+            if isinstance(drafter, DFlash2Drafter):
                 anchor_tokens = torch.gather(tokens, 1, anchors)
                 loss = loss + a.selector_weight * selector_loss(drafter.candidate_selector, hidden, logits,
                                                                 anchor_tokens, labels, valid, a.gamma)
@@ -396,7 +396,7 @@ def batch_loss(a, drafter, target, tokens, generator, block_size, mask_id):
 def chain_drafts(drafter, logits, hidden, anchor):
     """The drafter's greedy chain [B, L] from block logits [B, L, V] (rows 1..): the argmax per position, or for
     DFlash 2 the selector's walk from the anchor [B]."""
-    if not drafter.config.selector:
+    if not isinstance(drafter, DFlash2Drafter):
         return logits.argmax(-1)
     L = logits.shape[1]
     lattice = drafter.candidate_selector.lattice(hidden.view(hidden.shape[0], L + 1, -1)[:, 1:], logits, anchor)
@@ -479,7 +479,7 @@ def upgraded_to_dflash2(a, config: dict, drafter: DFlashDrafter) -> tuple[dict, 
     candidates by their logits): the training starts from the DFlash 1 drafter's drafts."""
     config = as_dflash2(config, dict(conv_kernel_size=a.conv_kernel, conv_group_size=a.conv_group,
                                      selector_rank=a.selector_rank, selector_top_k=a.selector_top_k))
-    two = DFlashDrafter(DFlashConfig.from_dict(config))
+    two = DFlash2Drafter(DFlash2Config.from_dict(config))
     init_weights(two, a.seed)
     missing, unexpected = two.load_state_dict(drafter.state_dict(), strict=False)
     assert not unexpected and all("conv" in k or "candidate_selector" in k for k in missing), (missing, unexpected)
@@ -525,7 +525,7 @@ def main(argv=None):
         config = zlab_config(target_cfg, a.layers, bs, mask_id, layer_ids, a.inter or None)
         drafter = DFlashDrafter(DFlashConfig.from_dict(config))
         init_weights(drafter, a.seed)
-    if a.dflash2 and not drafter.config.selector:
+    if a.dflash2 and not isinstance(drafter, DFlash2Drafter):
         config, drafter = upgraded_to_dflash2(a, config, drafter)
     a.gamma = a.gamma or bs / 2
     drafter.inv_freq = drafter.inv_freq.to(torch.float32)

@@ -1,4 +1,4 @@
-"""DDTree over DFlash 2's selector lattice (draft_tree.Lattice): the heap builds the best tree (checked by
+"""DDTree over DFlash 2's selector lattice (dflash2.Lattice): the heap builds the best tree (checked by
 enumerating every prefix), the tensor builder equals the heap bit for bit, and the engine with a DFlash 2 drafter
 is lossless: greedy ddtree and dflash equal ar, sampled runs of a batch equal their lone runs, budget auto gives
 ar's tokens, a round traces whole."""
@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import cpu
+import dflash2
 import draft_tree as dt
 from conftest import PAIR_VOCAB, pair_config, random_prompts, write_drafter
 from ddtree import Engine, Speculation, generate, generate_batch
@@ -43,7 +44,8 @@ def random_lattice(gen, N, L, K, V=40, ties=False):
        seed=st.integers(0, 10**6))
 def test_tensor_builder_equals_the_heap(L, K, budget, ties, seed):
     tokens, logq = random_lattice(torch.Generator().manual_seed(seed), 3, L, K, ties=ties)
-    for a, b in zip(dt.build_lattice_tree_heap(tokens, logq, budget), dt.build_lattice_tree(tokens, logq, budget)):
+    for a, b in zip(dflash2.build_lattice_tree_heap(tokens, logq, budget),
+                    dflash2.build_lattice_tree(tokens, logq, budget)):
         assert torch.equal(a, b)
 
 
@@ -66,7 +68,7 @@ def test_heap_tree_is_the_best_tree(seed):
     L, K, budget = 3, 3, 11
     tokens, logq = random_lattice(gen, 1, L, K)
     tokens, logq = tokens[0], logq[0]
-    tree_tokens, parents, depths = dt.build_lattice_tree_heap(tokens, logq, budget)
+    tree_tokens, parents, depths = dflash2.build_lattice_tree_heap(tokens, logq, budget)
     all_p = prefixes(tokens, logq)
     best = sorted(all_p.values(), reverse=True)[:budget]
     # each node's token path from the root, matched back to the candidate indices it came from
@@ -96,7 +98,7 @@ def greedy(target, drafter, prompt, **kw):
 
 def test_dflash2_greedy_is_lossless_and_trees_accept_more(models):
     target, drafter = models
-    assert drafter.config.selector
+    assert isinstance(drafter, dflash2.DFlash2Drafter)
     taus = {}
     for prompt in random_prompts(3, VOCAB, 20, seed=1):
         ar = greedy(target, None, prompt, method="ar").tokens
@@ -175,8 +177,8 @@ def test_dflash2_sampled_chain_in_float64(random_pair_files, models):
     drafter = DFlashDrafter.from_pretrained(models[1].path, device="cpu", dtype=torch.float64).bind(target)
     gen = torch.Generator().manual_seed(0)
     tokens, scores = random_lattice(gen, 2, 3, 4, V=VOCAB)
-    lattice = dt.Lattice(tokens, scores.double())
-    tokens, q = dt.walk_lattice(lattice, 3, VOCAB, temperature=0.7, noise=torch.rand(2, 3, generator=gen))
+    lattice = dflash2.Lattice(tokens, scores.double())
+    tokens, q = dflash2.walk_lattice(lattice, 3, VOCAB, temperature=0.7, noise=torch.rand(2, 3, generator=gen))
     assert q.dtype == torch.float64 and torch.allclose(q.sum(-1), torch.ones(2, 3, dtype=torch.float64))
     assert torch.all(q.gather(-1, tokens[..., None]) > 0)
     prompts = random_prompts(2, VOCAB, 12, seed=6)
@@ -184,3 +186,4 @@ def test_dflash2_sampled_chain_in_float64(random_pair_files, models):
     batch = generate_batch(target, drafter, prompts, seeds=[1, 2], **kw)
     assert [r.tokens for r in batch] == [generate(target, drafter, p, seed=s, **kw).tokens
                                          for p, s in zip(prompts, (1, 2))]
+
