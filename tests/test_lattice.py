@@ -6,6 +6,7 @@ ar's tokens, a round traces whole."""
 import itertools
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 import cpu
 import dflash2
 import draft_tree as dt
-from conftest import PAIR_VOCAB, pair_config, random_prompts, write_drafter
+from conftest import PAIR_VOCAB, REPO_ROOT, pair_config, random_prompts, write_drafter
 from ddtree import Engine, Speculation, generate, generate_batch
 from drafter import DFlashDrafter
 from model import Qwen3
@@ -187,3 +188,20 @@ def test_dflash2_sampled_chain_in_float64(random_pair_files, models):
     assert [r.tokens for r in batch] == [generate(target, drafter, p, seed=s, **kw).tokens
                                          for p, s in zip(prompts, (1, 2))]
 
+
+def test_a_dflash1_run_never_imports_dflash2():
+    """DFlash 2 is a module applied after load: loading the bundled DFlash 1 drafter and decoding with it (greedy
+    ddtree and dflash) imports no dflash2, while DFlashDrafter.from_pretrained hands the bundled DFlash 2 checkpoint
+    over to it."""
+    code = ("import sys\n"
+            "from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate\n"
+            "from drafter import DFlashDrafter\n"
+            "from model import Qwen3\n"
+            "target, drafter = Qwen3.from_pretrained(DEFAULT_TARGET), DFlashDrafter.from_pretrained(DEFAULT_DRAFT)\n"
+            "for kw in (dict(method='ddtree', budget=8), dict(method='dflash')):\n"
+            "    generate(target, drafter, list(range(10, 20)), max_new_tokens=4, **kw)\n"
+            "print('dflash2' in sys.modules)\n"
+            "two = DFlashDrafter.from_pretrained(DEFAULT_DRAFT + '2')\n"
+            "print('dflash2' in sys.modules, type(two).__module__, type(two).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "True", "dflash2", "DFlash2Drafter"], out.stdout + out.stderr[-2000:]
