@@ -509,9 +509,10 @@ _ENGINES_LOCK = threading.Lock()  # runs on other models may pick engines from o
 
 
 def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch=1,
-               auto=()) -> "Engine | budget.AutoBudget":
-    """Engines are cached per (models, settings, batch size) so repeated calls reuse caches and compiled graphs.
-    auto: the tree sizes of a budget-auto engine."""
+               auto=()):
+    """The Engine (budget auto: a budget.AutoBudget over one Engine per candidate) of these models and settings,
+    cached per (models, settings, batch size) so repeated calls reuse caches and compiled graphs. auto: the tree
+    sizes of a budget-auto engine."""
     settings = (id(target), id(drafter), method, sampling, spec, max_seq_len, compile, auto)
     key = settings + (batch,)
     with _ENGINES_LOCK:

@@ -20,12 +20,11 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import torch  # noqa: E402
 
-from checkpoints import (DFLASH2, dflash_config, hybrid_text_config, moe_config, qwen3_config,  # noqa: E402
+from checkpoints import (dflash_config, hybrid_text_config, moe_config, qwen3_config,  # noqa: E402
                          random_dflash_weights, random_hybrid_model, random_qwen3_weights, save_checkpoint)
-from ddtree import generate, generate_batch  # noqa: E402
+from ddtree import generate_batch  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
-from settings import Speculation  # noqa: E402
 
 ASSETS = os.path.join(ROOT, "assets")
 PROMPT_SEED = 7

@@ -240,11 +240,11 @@ class OnlyTheProtocol:
 def test_any_object_meeting_the_target_protocol_is_a_target(pair):
     target, drafter = pair
     kw = dict(budget=8, max_new_tokens=12, stop_ids=[])
-    for method, settings in (("ddtree", dict(temperature=0.7, seed=2)), ("dflash", {}), ("ar", {})):
+    for method, sampled in (("ddtree", dict(temperature=0.7, seed=2)), ("dflash", {}), ("ar", {})):
         d = None if method == "ar" else drafter
         kw_m = {k: v for k, v in kw.items() if method == "ddtree" or k != "budget"}
-        assert generate(OnlyTheProtocol(target), d, [3, 4], method=method, **kw_m, **settings).tokens == \
-            generate(target, d, [3, 4], method=method, **kw_m, **settings).tokens
+        assert generate(OnlyTheProtocol(target), d, [3, 4], method=method, **kw_m, **sampled).tokens == \
+            generate(target, d, [3, 4], method=method, **kw_m, **sampled).tokens
 
 
 def test_models_of_the_wrong_kind_say_which_argument(pair):
