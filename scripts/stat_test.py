@@ -36,6 +36,8 @@ Controls (`--control`; `auto` picks by method):
   shared_noise  every draw of a round uses the same uniform (correlated draws across rows)
   stale_commit  a hybrid target's recurrent layers commit the state after the round's root only, dropping the
                 accepted drafts (attention layers keep them): speculation with --hybrid
+  window_slots  a Gemma 4 target's sliding layers count their window in cache slots instead of positions along
+                a node's path (a tree node past its depth sees too little): speculation with --gemma4
   none          no control
 """
 
@@ -59,6 +61,7 @@ import torch  # noqa: E402
 
 import ddtree  # noqa: E402
 import cpu  # noqa: E402
+import gemma4  # noqa: E402
 from checkpoints import (dflash_config, hybrid_text_config, moe_config, qwen3_config,  # noqa: E402
                          random_dflash_weights, random_hybrid_model, random_qwen3_weights, save_checkpoint,
                          save_hybrid)
@@ -68,11 +71,12 @@ from model import Qwen3  # noqa: E402
 from sampler import Sampling, sample, warp_probs  # noqa: E402
 from tree_attn import PrefixMask  # noqa: E402
 from cli import in_flags, one_line_errors  # noqa: E402
-from settings import Speculation, check_int, check_settings, grouped  # noqa: E402
+from loading import read_json  # noqa: E402
+from settings import Speculation, check_int, check_settings, grouped, recurrent_target  # noqa: E402
 
 ALPHA = 1e-6
 DEFAULT_BUDGET = 5  # ddtree's tree nodes
-CONTROLS = ("auto", "none", "residual_p", "own_row", "unwarped", "shared_noise", "stale_commit")
+CONTROLS = ("auto", "none", "residual_p", "own_row", "unwarped", "shared_noise", "stale_commit", "window_slots")
 MAX_CELLS = 200_000
 
 
@@ -82,15 +86,27 @@ MAX_CELLS = 200_000
 
 def write_random_pair(out_dir: str, vocab: int, seed: int = 2, target_std: float = 0.4, draft_std: float = 0.4,
                       block_size: int = 3, hidden: int = 32, target_layers: int = 2, draft_layers: int = 1,
-                      moe: bool = False, hybrid: bool = False, dflash2: bool = False):
+                      moe: bool = False, hybrid: bool = False, dflash2: bool = False, gemma: bool = False):
     """A tiny Qwen3 target and DFlash drafter. Weights of std 0.3-0.5 give a non-degenerate target (several tokens
     with real mass after warping; how peaked it is varies with the seed, and run_check warns when the law is
     nearly degenerate). The drafter shares the target's embedding and lm_head, so its drafts correlate with the
     target's choices: with seed 2 (vocab 4, block 3) 0.7-1.0 drafts are accepted per round. moe: a Qwen3-MoE
     target (4 experts, top 2, every layer sparse). hybrid: a Qwen3.5 target instead (write_random_hybrid_target),
     the drafter reading all of its layers, Gated DeltaNet and gated attention alike. dflash2: a DFlash 2 drafter
-    (RANDOM_DFLASH2: its selector keeps vocab - 1 candidates, so its laws are zero off them)."""
+    (RANDOM_DFLASH2: its selector keeps vocab - 1 candidates, so its laws are zero off them). gemma: a Gemma 4
+    target instead (write_random_gemma4_target), the drafter Gemma-style (the target's embeddings scaled by
+    sqrt(hidden), its logits softcapped as the target's)."""
     two = dict(RANDOM_DFLASH2, selector_top_k=max(1, vocab - 1)) if dflash2 else None
+    if gemma:
+        if moe or hybrid or dflash2:
+            raise ValueError("--gemma4 cannot be combined with --moe, --hybrid or --dflash2")
+        tc = write_random_gemma4_target(os.path.join(out_dir, "target"), vocab, seed, target_std, hidden)
+        dc = dflash_config({**tc, "rope_theta": 10_000.0}, layers=draft_layers, block_size=block_size,
+                           target_layer_ids=list(range(tc["num_hidden_layers"])))
+        dc["dflash_config"].update(input_embedding_scale=hidden ** 0.5,
+                                   final_logit_softcapping=tc["final_logit_softcapping"])
+        save_checkpoint(os.path.join(out_dir, "draft"), dc, random_dflash_weights(dc, seed=seed + 1, std=draft_std))
+        return os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
     if hybrid:
         if moe:
             raise ValueError("--hybrid and --moe cannot be combined (the random hybrid target is dense)")
@@ -135,8 +151,42 @@ def write_random_hybrid_target(out_dir: str, vocab: int, seed: int = 2, std: flo
     return hf.config.to_dict()
 
 
+GEMMA4_WINDOW = 2  # the random Gemma 4 target's sliding window: the default prompt and 3 new tokens cross it
+
+
+def write_random_gemma4_target(out_dir: str, vocab: int, seed: int = 2, std: float = 0.4, hidden: int = 32,
+                               window: int = GEMMA4_WINDOW) -> dict:
+    """A tiny Gemma 4 target written by transformers (Gemma4ForCausalLM's save_pretrained): a sliding layer (window
+    `window`, 2 heads of 16, 1 K/V head, default RoPE) and a full one (a head of 32 whose values are its keys,
+    proportional RoPE), softcap 4 (it bounds the logits of a vocabulary of 4 to +-4, so the law stays spread).
+    Every parameter is N(0, std) noise, around 1 for the norms; the layer scalars are 0.8. Returns its config as a
+    dict."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    text = transformers.Gemma4TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=window, final_logit_softcapping=4.0, hidden_size_per_layer_input=0,
+        max_position_embeddings=4096, layer_types=["sliding_attention", "full_attention"], eos_token_id=vocab - 1,
+        bos_token_id=0)
+    torch.manual_seed(seed)
+    hf = transformers.Gemma4ForCausalLM(text)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * std + (1.0 if "norm" in name else 0.0))
+        for name, b in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(0.8)
+    hf.save_pretrained(out_dir)
+    return hf.config.to_dict()
+
+
 def load_pair(target_path: str, draft_path: str | None, device: str = "cpu"):
-    target = Qwen3.from_pretrained(target_path, device=device, dtype="float32")
+    if gemma4.is_gemma4(read_json(os.path.join(target_path, "config.json"))):
+        target = gemma4.from_pretrained(target_path, device=device, dtype="float32")
+    else:
+        target = Qwen3.from_pretrained(target_path, device=device, dtype="float32")
     drafter = DFlashDrafter.from_pretrained(draft_path, device=device, dtype="float32") if draft_path else None
     return target, drafter
 
@@ -176,7 +226,8 @@ def last_logits(target: Qwen3, contexts: list[list[int]], batch: int = 64) -> to
     for first in range(0, len(contexts), batch):
         part = torch.tensor(contexts[first:first + batch], device=target.device)
         target.setup_cache(length, part.shape[0])
-        target.reset_recurrent()  # a hybrid target's recurrent states start empty (a no-op for Qwen3)
+        if recurrent_target(target):
+            target.reset_recurrent()  # a hybrid target's recurrent states start empty
         if target.device.type == "cpu":
             cpu.use_cpu_classes(target)  # its layers attend as an engine's on the CPU
         mask = PrefixMask(n, length, target.device, batch=part.shape[0], causal=True)
@@ -370,6 +421,17 @@ def _commit_recurrent_root_only(self, recurrent, path, length):
     return _commit_recurrent(self, recurrent, path, length.clamp(max=1))  # BUG: length
 
 
+_SLIDING_BLOCK_MASK = gemma4.sliding_block_mask
+
+
+def _sliding_mask_in_slots(base, positions, window: int):
+    """gemma4.sliding_block_mask with the bug: the window counts cache slots (a new row's slot is the prefix plus
+    its row), not positions along the node's path, so a tree node past its depth sees too few committed tokens."""
+    prefix = base.prefix_tensors[4]
+    rows = torch.arange(positions.shape[-1], device=positions.device)
+    return _SLIDING_BLOCK_MASK(base, (prefix[:, None] + rows).expand_as(positions), window)  # BUG: slots
+
+
 def auto_control(method: str, draft_sampling: bool) -> str:
     if method == "ar":
         return "none"
@@ -410,13 +472,14 @@ def planted(control: str, method: str, draft_sampling: bool):
         raise ValueError("control residual_p needs --method dflash --draft-sampling")
     if control in ("own_row", "unwarped") and not walk:
         raise ValueError(f"control {control} needs the tree walk (ddtree, or dflash without --draft-sampling)")
-    if control == "stale_commit" and method == "ar":
-        raise ValueError("control stale_commit needs a speculative method (dflash or ddtree)")
+    if control in ("stale_commit", "window_slots") and method == "ar":
+        raise ValueError(f"control {control} needs a speculative method (dflash or ddtree)")
     patches = {"none": [], "residual_p": [(ddtree, "verify_chain_sampled", _verify_chain_residual_p)],
                "own_row": [(ddtree, "walk_tree", _walk_tree_own_row)],
                "unwarped": [(ddtree.Engine, "pick", _pick_unwarped)],
                "shared_noise": [(ddtree, "draw_noise", _draw_noise_shared)],
-               "stale_commit": [(Qwen3, "commit_recurrent", _commit_recurrent_root_only)]}[control]
+               "stale_commit": [(Qwen3, "commit_recurrent", _commit_recurrent_root_only)],
+               "window_slots": [(gemma4, "sliding_block_mask", _sliding_mask_in_slots)]}[control]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, new in patches:
@@ -441,8 +504,10 @@ def run_check(target, drafter, prompt, n, samples, sampling_kw: dict, method: st
         control = "none" if s.greedy else auto_control(method, draft_sampling)
     kw = dict(method=method, budget=budget if method == "ddtree" else None, draft_sampling=draft_sampling,
               draft_temperature=draft_temperature, denoise_steps=denoise_steps, **sampling_kw)
-    if control == "stale_commit" and not target.recurrent:
+    if control == "stale_commit" and not recurrent_target(target):
         raise ValueError("control stale_commit needs a target with recurrent layers (--hybrid)")
+    if control == "window_slots" and not isinstance(target, gemma4.Gemma4):
+        raise ValueError("control window_slots needs a Gemma 4 target (--gemma4)")
     out = {"control_name": control}
     with attention(attention_kind):
         law = exact_law(target, prompt, n, s, batch)
@@ -518,6 +583,8 @@ def parse_args(argv):
                    "over vocab - 1 candidates)")
     p.add_argument("--hybrid", action="store_true", help="the random pair's target is a Qwen3.5 hybrid (Gated "
                                                           "DeltaNet + gated attention layers)")
+    p.add_argument("--gemma4", action="store_true", help="the random pair's target is a Gemma 4 (a sliding layer "
+                   f"of window {GEMMA4_WINDOW} and a full one), its drafter Gemma-style")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the settings and results to FILE")
     p.add_argument("--draft", default=None, help="DFlash checkpoint dir (default: write a random pair)")
     p.add_argument("--attention", choices=("dense", "flex", "kernel"), default="dense")
@@ -556,6 +623,9 @@ def check_args(a):
         raise ValueError("give both --target and --draft, or neither (a random pair)")
     if a.hybrid and (a.target is not None or a.moe):
         raise ValueError("--hybrid is for the random pair, without --target / --draft / --bundled / --moe")
+    if a.gemma4 and (a.target is not None or a.moe or a.hybrid or a.dflash2):
+        raise ValueError("--gemma4 is for the random pair, without --target / --draft / --bundled / --moe / "
+                         "--hybrid / --dflash2")
     if a.dflash2 and (a.target is not None or a.method == "ar"):
         raise ValueError("--dflash2 is for the random pair's drafter, without --target / --draft / --bundled, "
                          "and with a drafting method")
@@ -617,7 +687,7 @@ def run(a) -> int:
         target_path, draft_path = a.target, a.draft
         if target_path is None:
             t, d = write_random_pair(tmp, a.vocab, a.pair_seed, a.target_std, a.draft_std, a.block_size,
-                                     moe=a.moe, hybrid=a.hybrid, dflash2=a.dflash2)
+                                     moe=a.moe, hybrid=a.hybrid, dflash2=a.dflash2, gemma=a.gemma4)
             target_path, draft_path = target_path or t, draft_path or d
         target, drafter = load_pair(target_path, draft_path if a.method != "ar" else None, a.device)
         V = target.config.vocab_size

@@ -276,3 +276,33 @@ def test_dflash2_sampled_output_follows_the_target_law(pair, dflash2_pair, law, 
             bad, _ = st.draw_samples(target, drafter, PROMPT, N_TOKENS, n, seed0=0, **kw, **WARP)
         bp, _, _, btv = st.chi_square(law.counts(bad), law.probs)
         assert bp < ALPHA, f"planted bug {name} not detected: p = {bp:.3e}, TV = {btv:.4f}"
+
+
+@pytest.fixture(scope="module")
+def gemma4_pair(tmp_path_factory):
+    """A Gemma 4 target written by transformers (a sliding layer of window 2, a full one whose values are its keys)
+    with a Gemma-style drafter; std 0.2 and seed 3 spread its law (52 sequences of 4 tokens, none above 0.18)."""
+    paths = st.write_random_pair(str(tmp_path_factory.mktemp("stat-gemma4")), VOCAB, seed=3, target_std=0.2,
+                                 draft_std=0.4, block_size=3, gemma=True)
+    return st.load_pair(*paths)
+
+
+def test_sampled_ddtree_on_a_gemma4_target_follows_the_law(gemma4_pair):
+    """A Gemma 4 target: the prompt and the 4 new tokens cross its sliding window (2) in every round, so tree
+    nodes past their depth must count the window along their path. Sampled ddtree follows the exact law, and the
+    planted bugs are rejected: the window counted in cache slots, and a tree walk reading its own row's noise."""
+    target, drafter = gemma4_pair
+    assert target.config.sliding_window < len(PROMPT) + N_TOKENS
+    kw = dict(method="ddtree", budget=5)
+    with st.attention("dense"):
+        law = st.exact_law(target, PROMPT, N_TOKENS, st.Sampling(**WARP))
+        assert len(law.sequences) >= 12 and law.probs.max() < 0.4 and law.margin > 1e-5
+        drawn, stats = st.draw_samples(target, drafter, PROMPT, N_TOKENS, 1000, seed0=0, **kw, **WARP)
+        p, _, outside, tv = st.chi_square(law.counts(drawn), law.probs)
+        assert stats["drafts_per_round"] > MIN_DRAFTS_PER_ROUND, stats
+        assert outside == 0 and p >= ALPHA, f"p = {p:.3e}, TV = {tv:.4f}, {outside} outside the support"
+        for control, samples in (("window_slots", 400), ("own_row", 300)):
+            with st.planted(control, "ddtree", False):
+                bad, _ = st.draw_samples(target, drafter, PROMPT, N_TOKENS, samples, seed0=0, **kw, **WARP)
+            bp, _, _, btv = st.chi_square(law.counts(bad), law.probs)
+            assert bp < ALPHA, f"planted bug {control} not detected: p = {bp:.3e}, TV = {btv:.4f}"
