@@ -183,3 +183,44 @@ def test_tensor_parallel_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="do not run under tensor parallel"):
         gemma4.from_pretrained(config_dir(tmp_path), device="cpu")
+
+
+AUTO_GRID = (2, 6, 12)  # tree sizes for the tiny drafter (block 6: 5 draft positions)
+SWITCHES = ["ar", "chain", 12, 2, "ar", 6, "chain", "ar", 12, 12, 6, 2, "chain", 6]
+
+
+def test_budget_auto_equals_ar_through_every_switch(pair, drafter, monkeypatch):
+    """budget auto on a Gemma 4 target, its choice forced through a cycle of every candidate (plain decoding, the
+    chain, trees of 2, 6 and 12), so that each switch happens mid-request past the sliding window: AR's tokens."""
+    import budget
+    monkeypatch.setattr(budget, "AUTO_BUDGETS", AUTO_GRID)
+    cycle = iter(SWITCHES * 10)
+    monkeypatch.setattr(budget.AutoBudget, "choose", lambda self: (next(cycle), False))
+    ours = pair[1]
+    ar = generate(ours, None, PROMPT, method="ar", max_new_tokens=2 * NEW)
+    auto = generate(ours, drafter, PROMPT, budget="auto", max_new_tokens=2 * NEW)
+    assert auto.tokens == ar.tokens
+    assert set(auto.stats["auto"]["schedule"]) == {"ar", "chain", "2", "6", "12"}
+
+
+def test_budget_auto_equals_ar_as_it_chooses(pair, drafter, monkeypatch):
+    """Unforced, from a planted calibration (every candidate viable, no renewal, plain decoding the dearest, so
+    that the weak random drafter's trees still win rounds; how many follows the round times measured on the way):
+    the choice follows the estimates, and the tokens are AR's."""
+    import budget
+    import ddtree
+    monkeypatch.setattr(budget, "AUTO_BUDGETS", AUTO_GRID)
+    monkeypatch.setattr(budget, "RENEW_BELOW", 0.0)
+    ours = pair[1]
+    spec = ddtree.Speculation(budget="auto")
+    with torch.inference_mode():
+        length = ddtree.cache_length(len(PROMPT), 2 * NEW, "ddtree", spec, drafter, AUTO_GRID)
+        key = ddtree.get_engine(ours, drafter, "ddtree", ddtree.Sampling(), spec, length, False, 1,
+                                auto=AUTO_GRID).key
+    budget.save_costs(key, dict(round_s={"ar": 1.5e-3, "chain": 1e-3, "2": 1e-3, "6": 1.05e-3, "12": 1.1e-3}))
+    ar = generate(ours, None, PROMPT, method="ar", max_new_tokens=2 * NEW)
+    res = generate(ours, drafter, PROMPT, budget="auto", max_new_tokens=2 * NEW)
+    assert res.tokens == ar.tokens
+    a = res.stats["auto"]
+    assert len(a["schedule"]) == res.stats["rounds"] and a["choice"] in a["candidates"]
+    assert a["schedule"][0] == "12" and 1 <= a["probe_rounds"] <= res.stats["rounds"]
