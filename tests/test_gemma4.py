@@ -224,3 +224,66 @@ def test_budget_auto_equals_ar_as_it_chooses(pair, drafter, monkeypatch):
     a = res.stats["auto"]
     assert len(a["schedule"]) == res.stats["rounds"] and a["choice"] in a["candidates"]
     assert a["schedule"][0] == "12" and 1 <= a["probe_rounds"] <= res.stats["rounds"]
+
+
+# A chat template in the structure of Gemma 4's (<|turn>role ... <turn|> turns, the assistant as 'model', a system
+# turn that opens with <|think|> when thinking is on, contents trimmed, a list of parts read for its text).
+GEMMA_TEMPLATE = """{{- bos_token -}}
+{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content | trim -}}
+    {%- else -%}
+        {%- for part in content if part['type'] == 'text' -%}{{- part['text'] | trim -}}{%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(system=false) -%}
+{%- if enable_thinking or messages[0]['role'] == 'system' -%}
+    {{- '<|turn>system\\n' -}}
+    {%- if enable_thinking -%}{{- '<|think|>' -}}{%- endif -%}
+    {%- if messages[0]['role'] == 'system' -%}
+        {{- render_content(messages[0]['content']) -}}{%- set ns.system = true -%}
+    {%- endif -%}
+    {{- '<turn|>\\n' -}}
+{%- endif -%}
+{%- set loop_messages = messages[1:] if ns.system else messages -%}
+{%- for message in loop_messages -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{- '<|turn>' + role + '\\n' + render_content(message['content']) + '<turn|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}
+"""
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>"]
+
+
+def test_gemma_chat_template_renders_like_transformers(tmp_path):
+    """A tiny tokenizer with a Gemma-4-style chat template: Text.render_chats (the template sandboxed in a child
+    process, thinking off) renders what transformers' apply_chat_template renders, a system turn and a
+    conversation included, and the turn markers encode as their special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from text import Text
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x * 2", "user model system Why? hello"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=GEMMA_SPECIALS, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", bos_token="<bos>", eos_token="<turn|>", pad_token="<pad>",
+        chat_template=GEMMA_TEMPLATE)))
+    hf, ours = PreTrainedTokenizerFast.from_pretrained(str(tmp_path)), Text(str(tmp_path))
+    chats = ["def f(x):  ",
+             [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "hello"}],
+             [{"role": "user", "content": [{"type": "text", "text": "def f(x):"}]},
+              {"role": "assistant", "content": "    return x"}, {"role": "user", "content": "Why?"}]]
+    rendered = ours.render_chats(chats)
+    for chat, text in zip(chats, rendered):
+        messages = [{"role": "user", "content": chat}] if isinstance(chat, str) else chat
+        assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              enable_thinking=False)
+    assert rendered[0] == "<bos><|turn>user\ndef f(x):<turn|>\n<|turn>model\n"
+    ids = ours.encode(rendered[2])
+    assert ids[:2] == [tok.token_to_id("<bos>"), tok.token_to_id("<|turn>")] and \
+        ids.count(tok.token_to_id("<turn|>")) == 3 and tok.token_to_id("<|think|>") not in ids
+    assert ids == hf.encode(rendered[2], add_special_tokens=False)
