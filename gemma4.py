@@ -9,6 +9,7 @@ softcapped. A sliding layer's window counts positions, not cache slots: in a tre
 tokens within the window of its own depth, and its ancestors, as transformers sees the path alone.
 """
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -495,6 +496,59 @@ class Gemma4(nn.Module):
         return logits, features
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Tensor parallel (tp.py: under torchrun only)
+
+
+def shard_attention(attn: Attention, prefix: str, plan):
+    """This rank's query heads and the K/V heads they read (a K/V head shared by ranks when there are fewer than
+    ranks), q/k/v and o split by those heads; a full layer whose values are its keys has no v_proj: its values
+    come from this rank's own key heads. The q/k norms (per head size) stay whole."""
+    import tp
+    heads, kv, hd = attn.heads, attn.kv_heads, attn.head_dim
+    n, r = tp.world_size(), tp.rank()
+    if kv < n and n % kv:
+        raise ValueError(f"tensor parallel: {prefix}'s {kv} key/value heads neither split over {n} ranks nor "
+                         f"divide them (ranks sharing a KV head)")
+    q0, q1 = tp.split(heads, "num_attention_heads")
+    k0, k1 = tp.split(kv, f"{prefix}'s key/value heads") if kv >= n else (r // (n // kv), r // (n // kv) + 1)
+    plan[f"{prefix}.q_proj.weight"] = (0, heads * hd, [(q0 * hd, q1 * hd)])
+    for name in ("k_proj",) if attn.k_eq_v else ("k_proj", "v_proj"):
+        plan[f"{prefix}.{name}.weight"] = (0, kv * hd, [(k0 * hd, k1 * hd)])
+    plan[f"{prefix}.o_proj.weight"] = (1, heads * hd, [(q0 * hd, q1 * hd)])
+    attn.heads, attn.kv_heads = q1 - q0, k1 - k0
+    parts = {"q_proj": attn.heads * hd, "k_proj": attn.kv_heads * hd}
+    if not attn.k_eq_v:
+        parts["v_proj"] = attn.kv_heads * hd
+    hidden = attn.qkv_proj.in_features
+    tp.resize_linear(attn.qkv_proj, sum(parts.values()), hidden, parts)
+    tp.resize_linear(attn.o_proj, hidden, attn.heads * hd)
+
+
+def shard(target: Gemma4):
+    """tp.shard for a Gemma 4 target built on the meta device: attention by heads, the MLP and the 26B-A4B's
+    experts by their intermediate size (the router whole), each sublayer's output all-reduced before its
+    post-norm, the embedding and the head by vocabulary. Returns the plan of what to read (tp.take)."""
+    import tp
+    plan = tp.Plan()
+    for i, block in enumerate(target.layers):
+        prefix = f"layers.{i}"
+        shard_attention(block.self_attn, f"{prefix}.self_attn", plan)
+        tp.shard_mlp(block.mlp, f"{prefix}.mlp", plan)
+        summed = [block.self_attn, block.mlp]
+        if block.moe:
+            tp.shard_moe(block, prefix, plan)
+            summed.append(block.experts)
+        for sublayer in summed:
+            sublayer.register_forward_hook(tp.all_reduce_output)
+    vocab, hidden = target.config.vocab_size, target.config.hidden_size
+    target.embed_tokens = tp.VocabParallelEmbedding(vocab, hidden)
+    target.lm_head = tp.VocabParallelHead(hidden, vocab)
+    plan["embed_tokens.weight"] = (0, vocab, [target.embed_tokens.vocab_rows])
+    plan["lm_head.weight"] = (0, vocab, [target.lm_head.vocab_rows])
+    return plan
+
+
 def from_pretrained(path_or_repo: str, device=None, dtype=None) -> Gemma4:
     """A Gemma 4 checkpoint (Gemma4ForCausalLM, or the hub's multimodal Gemma4ForConditionalGeneration, whose
     vision and audio towers are not read) at a local path or Hub repo; bf16 on CUDA and fp32 elsewhere unless
@@ -503,17 +557,19 @@ def from_pretrained(path_or_repo: str, device=None, dtype=None) -> Gemma4:
     where = os.path.join(path, "config.json")
     raw = read_json(where)
     config = gemma4_config(raw, where)
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        import tp  # under torchrun only
-        if tp.enabled():  # every rank would hold the whole model, and the engine would treat it as its shard
-            raise ValueError(f"{where}: Gemma 4 targets do not run under tensor parallel yet")
     check_layer_count(path, config.num_hidden_layers, where, SKIPPED_PREFIXES)
     device = parse_device(device)
+    tp = None
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        import tp  # under torchrun only
+        device = tp.setup(device)
     dtype = parse_dtype(dtype, device)
     target = on_meta(lambda: Gemma4(config), where)
+    # launched by torchrun: this rank's shard, read as slices (tp.py)
+    take = functools.partial(tp.take, shard(target)) if tp is not None and tp.enabled() else None
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     load_weights(target, path, strip_prefix=("model.language_model.", "model."), device=device, dtype=dtype,
-                 optional=optional, skip_prefixes=SKIPPED_PREFIXES)
+                 optional=optional, skip_prefixes=SKIPPED_PREFIXES, take=take)
     if config.tie_word_embeddings:
         tie_or_keep_head(target, path)
     target.inv_freq = inv_freqs(config, device)

@@ -179,11 +179,6 @@ def test_small_models_are_refused(tmp_path):
         gemma4.from_pretrained(config_dir(tmp_path, hidden_size_per_layer_input=8), device="cpu")
 
 
-def test_tensor_parallel_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="do not run under tensor parallel"):
-        gemma4.from_pretrained(config_dir(tmp_path), device="cpu")
-
 
 AUTO_GRID = (2, 6, 12)  # tree sizes for the tiny drafter (block 6: 5 draft positions)
 SWITCHES = ["ar", "chain", 12, 2, "ar", 6, "chain", "ar", 12, 12, 6, 2, "chain", 6]

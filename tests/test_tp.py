@@ -84,6 +84,19 @@ def write_misshapen(path):
     save_file(w, file, metadata={"format": "pt"})
 
 
+def write_gemma4(path):
+    """A Gemma 4 target written by transformers (test_gemma4's: sliding layers of 2 K/V heads, full layers of one
+    K/V head whose values are its keys, the 26B-A4B's experts beside the MLP, tied embeddings), float64, with a
+    Gemma-style drafter reading two of its layers."""
+    from test_gemma4 import write_target
+    hf = write_target(os.path.join(path, "target"), "moe")
+    tc = hf.config.to_dict()
+    dc = dflash_config({**tc, "rope_theta": 10000.0}, layers=1, block_size=5, target_layer_ids=[1, 4])
+    dc["dflash_config"].update(input_embedding_scale=tc["hidden_size"] ** 0.5,
+                               final_logit_softcapping=tc["final_logit_softcapping"])
+    save_checkpoint(os.path.join(path, "draft"), dc, random_dflash_weights(dc, seed=3, std=0.3))
+
+
 def cases(paths: dict) -> dict:
     runs = [dict(kind=kind, method="ddtree", budget=8) for kind in ("dense", "moe", "hybrid")]
     runs += [dict(kind=kind, method="ddtree", budget=8, temperature=1.0, seed=11) for kind in ("dense", "hybrid")]
@@ -92,7 +105,12 @@ def cases(paths: dict) -> dict:
                    max_new_tokens=16)
     bad = paths["bad"] + "/target"
     auto = dict(runs[0], budget="auto", max_new_tokens=24)
-    return dict(runs=runs, ties=TIES, auto=auto,
+    gemma = [dict(kind="gemma4", method="ddtree", budget=8), dict(kind="gemma4", method="ddtree", budget=8,
+                                                                   temperature=1.0, seed=11)]
+    for run in gemma:
+        run.update(target=paths["gemma4"] + "/target", draft=paths["gemma4"] + "/draft", prompt=PROMPT * 3,
+                   max_new_tokens=16)
+    return dict(runs=runs, gemma=gemma, ties=TIES, auto=auto,
                 cli=[["--prompt", "hello", "--no-chat", "--json", "--budget", "4", "--max-new-tokens", "6"],
                      ["--prompt", "hello", "--target", bad, "--method", "ar", "--no-chat"],
                      ["--prompt", "hello", "--target", paths["misshapen"] + "/target", "--method", "ar", "--no-chat"]])
@@ -102,12 +120,13 @@ def cases(paths: dict) -> dict:
 def runs(tmp_path_factory):
     """(the cases, what rank 0 and rank 1 saw)."""
     root = tmp_path_factory.mktemp("tp")
-    paths = {kind: str(root / kind) for kind in ("dense", "moe", "hybrid", "bad", "misshapen")}
+    paths = {kind: str(root / kind) for kind in ("dense", "moe", "hybrid", "bad", "misshapen", "gemma4")}
     write_dense(paths["dense"])
     write_moe(paths["moe"])
     write_hybrid(paths["hybrid"])
     write_dense(paths["bad"], heads=3)
     write_misshapen(paths["misshapen"])
+    write_gemma4(paths["gemma4"])
     spec = cases(paths)
     json.dump(spec, open(root / "cases.json", "w"))
     # budget auto calibrates afresh: the ranks' timings of the calibration make the same choices too
@@ -131,7 +150,8 @@ def runs(tmp_path_factory):
 
 @functools.cache
 def one_rank_models(target: str, draft: str):
-    return (Qwen3.from_pretrained(target, device="cpu", dtype=torch.float64),
+    from tp_ranks import load_target
+    return (load_target(target, device="cpu", dtype=torch.float64),
             DFlashDrafter.from_pretrained(draft, device="cpu", dtype=torch.float64))
 
 
@@ -149,6 +169,33 @@ def test_two_ranks_give_one_ranks_tokens_greedy_and_sampled(runs):
         assert tokens[0] == tokens[1], (run["kind"], tokens)
         assert tokens[0] == one_rank(run), run
         assert len(tokens[0]) == run["max_new_tokens"]
+
+
+def test_a_gemma4_target_on_two_ranks_gives_one_ranks_tokens_from_its_shards(runs):
+    """Gemma 4 (sliding window 8 crossed by a prompt of 24, full layers whose values are their keys, experts beside
+    the MLP): greedy and sampled ddtree on two ranks give one rank's tokens, and each rank holds half of every
+    split tensor, the full layers' single K/V head whole on both (their keys, no v_proj), the rest whole."""
+    spec, seen = runs
+    first = len(spec["runs"])
+    for i, run in enumerate(spec["gemma"]):
+        tokens = [rank["cases"][first + i]["tokens"] for rank in seen]
+        assert tokens[0] == tokens[1] == one_rank(run), (run, tokens)
+    target = spec["gemma"][0]["target"]
+    whole = {n: list(p.shape) for n, p in one_rank_models(target, spec["gemma"][0]["draft"])[0]
+             .named_parameters(remove_duplicate=False)}
+    for rank in seen:
+        shapes = rank["shapes"][target]
+        assert rank["tied"][target] and rank["oversized"][target] == []
+        for n, full in whole.items():
+            part = shapes[n]
+            if n.endswith("qkv_proj.weight"):  # 2 of 4 query heads; sliding: 1 of 2 K/V heads, full: its 1 (k only)
+                full_layer = int(n.split(".")[1]) in (2, 5)
+                assert part == [2 * 16 + 16 if full_layer else 2 * 8 + 8 + 8, full[1]], (n, part, full)
+            elif n.endswith(SPLIT):
+                dims = [d for d, (a, b) in enumerate(zip(part, full)) if a != b]
+                assert len(dims) == 1 and part[dims[0]] * RANKS == full[dims[0]], (n, part, full)
+            else:
+                assert part == full, (n, part, full)
 
 
 # The parameters that tp.py splits across the ranks (by name ending).

@@ -26,6 +26,15 @@ import tp  # noqa: E402
 from ddtree import generate  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
 from model import Qwen3  # noqa: E402
+import gemma4  # noqa: E402
+from loading import read_json  # noqa: E402
+
+
+def load_target(path: str, **kw):
+    """The target at `path` through its family's loader (a Gemma 4 through gemma4.from_pretrained)."""
+    if gemma4.is_gemma4(read_json(os.path.join(path, "config.json"))):
+        return gemma4.from_pretrained(path, **kw)
+    return Qwen3.from_pretrained(path, **kw)
 
 
 class Collectives(TorchDispatchMode):
@@ -76,9 +85,9 @@ def greedy_pick(rows: list) -> dict:
 def main(cases_file: str, out: str):
     cases = json.load(open(cases_file))
     loaded, record = {}, {"cases": [], "shapes": {}, "bytes": {}}
-    for case in cases["runs"]:
+    for case in cases["runs"] + cases.get("gemma", []):
         if case["target"] not in loaded:
-            target = Qwen3.from_pretrained(case["target"], device="cpu", dtype=torch.float64)
+            target = load_target(case["target"], device="cpu", dtype=torch.float64)
             drafter = DFlashDrafter.from_pretrained(case["draft"], device="cpu", dtype=torch.float64)
             loaded[case["target"]] = target, drafter
             record["shapes"][case["target"]] = {n: list(p.shape) for n, p in
@@ -86,7 +95,7 @@ def main(cases_file: str, out: str):
             record["bytes"][case["target"]] = parameter_bytes(target)
             record.setdefault("tied", {})[case["target"]] = target.lm_head.weight is target.embed_tokens.weight
             # in the file's dtype (float32), where the loader's cast copies nothing
-            record.setdefault("oversized", {})[case["target"]] = oversized(Qwen3.from_pretrained(case["target"]))
+            record.setdefault("oversized", {})[case["target"]] = oversized(load_target(case["target"]))
         target, drafter = loaded[case["target"]]
         with Collectives() as seen:
             res = generate(target, drafter, case["prompt"], method=case["method"], budget=case.get("budget"),
