@@ -41,8 +41,7 @@ import batch
 from batch import Requests, RequestsFailed, Result
 from draft_tree import ancestor_matrix, beyond_room, build_tree, build_tree_heap, within_room
 from drafter import DFlashDrafter
-from gated_delta import Recurrent
-from rope import position_limit
+from families import position_limit
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
 from settings import Speculation, Target, check_models, recurrent_target, check_recalibrate, check_request, check_settings, verify_rows
 from tree_attn import PrefixMask, compact_kv, round_up
@@ -208,7 +207,7 @@ class Engine:
                                 for kind in drafter.config.mask_kinds}
             self.block_allow = {kind: mask.allow.clone() for kind, mask in self.draft_masks.items()}
             self.verify_mask = PrefixMask(self.tree_size + 1, max_seq_len, self.device, batch)
-            # The last RoPE position a request may reach (rope.position_limit): a round near it drafts only the
+            # The last RoPE position a request may reach (families.position_limit): a round near it drafts only the
             # positions left, as z-lab's loop shortens its last blocks, so that every method reaches the limit.
             self.last_position = position_limit(target.config)[0] - 1
         if method == "ar":
@@ -335,13 +334,14 @@ class Engine:
 
     def verify(self, bonus, tokens, parents, depths, start):
         """The target over [bonus, nodes...]: RoPE positions start + depth, cache slots start + row, each row seeing
-        the committed prefix and its ancestors (the verify mask; the recurrent layers take the same tree as a
-        gated_delta.Recurrent, returned for the commit)."""
+        the committed prefix and its ancestors (the verify mask; a recurrent target's layers take the same tree as
+        its tree_state, returned for the commit)."""
         rows = torch.cat([bonus[:, None], tokens], dim=1)
         positions = start[:, None] + torch.cat([depths[:, :1] * 0, depths], dim=1)
         slots = start[:, None] + torch.arange(self.tree_size + 1, device=rows.device)
-        recurrent = Recurrent.tree(parents, ancestor_matrix(parents, self.max_depth, dtype=torch.uint8), self.max_depth)
-        logits, features = self.target(rows, positions, slots, self.verify_mask.set(start, recurrent.anc),
+        anc = ancestor_matrix(parents, self.max_depth, dtype=torch.uint8)
+        recurrent = self.target.tree_state(parents, anc, self.max_depth) if recurrent_target(self.target) else None
+        logits, features = self.target(rows, positions, slots, self.verify_mask.set(start, anc),
                                        feature_layers=self.feature_layers, recurrent=recurrent,
                                        argmax=self.sampling.greedy)
         return rows, positions, logits, features, recurrent
@@ -377,7 +377,7 @@ class Engine:
         recurrent target, whose drafter cannot catch up later), the token's features extend its context."""
         logits, features = self.target(token[:, None], start[:, None], start[:, None], self.decode_mask.set(start),
                                        feature_layers=self.feature_layers,
-                                       recurrent=Recurrent.chain(torch.ones_like(start)), argmax=self.sampling.greedy)
+                                       recurrent=self.chain_state(torch.ones_like(start)), argmax=self.sampling.greedy)
         if self.drafter is not None:
             self.drafter.append_context(features, start[:, None], start[:, None])
         next_token, ok = self.pick(logits, noise)
@@ -422,11 +422,15 @@ class Engine:
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         mask = self.prefill_mask.set(start)
         logits, features = self.target(tokens, positions, positions, mask, logits_rows=last_row,
-                                       feature_layers=self.feature_layers, recurrent=Recurrent.chain(valid),
+                                       feature_layers=self.feature_layers, recurrent=self.chain_state(valid),
                                        argmax=self.sampling.greedy)
         if self.drafter is not None:  # the prompt is the drafter's first context
             self.drafter.append_context(features, positions, positions)
         return self.pick(logits, noise)
+
+    def chain_state(self, valid):
+        """A recurrent target's state for a chain of rows (the first valid [N] of each request's), else None."""
+        return self.target.chain_state(valid) if recurrent_target(self.target) else None
 
     def pick(self, logits, noise):
         """The target's token at each row of float32 logits [N, R, V] (when greedy, the target's argmax pair

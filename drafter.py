@@ -21,10 +21,9 @@ import torch.nn as nn
 
 from loading import (check_layer_count, check_pair, dflash_architecture, dflash_config_fields, load_weights,
                      on_meta, parse_device, parse_dtype, read_json, resolve_checkpoint)
-from gated_delta import compute_dtype
-from model import Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, rope_cos_sin, run_layer
-from rope import rope_frequencies
-import tp
+import families
+from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, compute_dtype, rope_cos_sin,
+                   rope_frequencies, run_layer)
 
 
 @dataclass
@@ -44,7 +43,7 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
         """The drafter's config.json, checked (loading.dflash_config_fields)."""
-        fields = dflash_config_fields(d, where)
+        fields = dflash_config_fields(d, where, families.rope_reader(d))
         return cls(model=Qwen3Config(**fields.pop("model")), **fields)
 
     def attention_of(self, layer: int) -> tuple:
@@ -181,7 +180,8 @@ class DFlashDrafter(nn.Module):
             return dflash2.DFlash2Drafter.from_pretrained(path, device, dtype)
         config = cls.config_type.from_dict(d, where)
         check_layer_count(path, config.model.num_hidden_layers, where)
-        device = tp.setup(parse_device(device))  # under torchrun: this rank's GPU (the drafter is replicated)
+        # under torchrun: this rank's GPU (the drafter is replicated)
+        device = families.parallel_device(parse_device(device))[0]
         dtype = parse_dtype(dtype, device)
         drafter = on_meta(lambda: cls(config), where)
         load_weights(drafter, path, strip_prefix="", device=device, dtype=dtype, aliases=cls.weight_aliases)

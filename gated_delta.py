@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import Linear, compute_dtype
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dim: the FLA convention transformers follows (eps inside the root)."""
@@ -287,14 +289,14 @@ def chunk_gated_delta(q, k, v, g, beta, state, chunk: int = 64):
 
 @dataclass
 class Recurrent:
-    """What the recurrent layers need to know about the rows of one forward (model.Qwen3.forward's `recurrent`).
+    """What the recurrent layers need to know about the rows of one forward (hybrid.Qwen3_5.forward's `recurrent`).
 
     Causal mode (a prefill chunk, a decode step): `valid` [N], rows >= valid[n] are padding and leave request n's
     state alone (beta = 0 and g = 0 there; the conv state is the last K - 1 inputs among the valid rows; valid
     may be 0); None: every row is valid. Each layer updates its state in place.
     Tree mode (a verify): `parents` [N, B] as draft_tree gives them (rows [root, nodes...], -1 = padded node) and
     `anc` [N, B + 1, B + 1] (uint8 or bool) = draft_tree.ancestor_matrix(parents). The committed state is left
-    untouched; each layer puts into `pending` (keyed by its layer index) what Qwen3.commit_recurrent needs: its
+    untouched; each layer puts into `pending` (keyed by its layer index) what hybrid.Qwen3_5.commit_recurrent needs: its
     conv inputs and the k, u, G of the tree rule."""
     valid: torch.Tensor | None = None
     parents: torch.Tensor | None = None
@@ -319,11 +321,6 @@ class Recurrent:
         own = lambda t: None if t is None else t.clone()  # noqa: E731
         return Recurrent(own(self.valid), own(self.parents), own(self.anc), self.depth,
                          {i: tuple(map(own, p)) for i, p in self.pending.items()})
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Where the reference upcasts: float32 for bf16 / fp16 / fp32 models, float64 for float64 ones."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -371,12 +368,11 @@ class GatedDeltaNet(nn.Module):
 
     forward(x, recurrent): a chain (recurrent None or Recurrent.chain) advances `state` / `conv_state` in place
     over the valid rows (chunked rule; the one-step rule for a single row); a tree (Recurrent.tree) leaves them
-    alone and puts (conv inputs, k, u, G) into recurrent.pending[index] for model.Qwen3.commit_recurrent."""
+    alone and puts (conv inputs, k, u, G) into recurrent.pending[index] for hybrid.Qwen3_5.commit_recurrent."""
 
     def __init__(self, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int,
                  eps: float, index: int):
         super().__init__()
-        from model import Linear  # (model.py imports this file)
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
         self.kernel, self.index = kernel, index
         self.channels = 2 * key_heads * key_dim + value_heads * value_dim
@@ -447,7 +443,7 @@ class GatedDeltaNet(nn.Module):
 
 def commit_tree(layers, recurrent: Recurrent, path, length):
     """After a tree verify (recurrent.pending filled): each of the recurrent `layers` takes its state after the
-    accepted path, and its conv state the last K - 1 inputs along it (Qwen3.commit_recurrent)."""
+    accepted path, and its conv state the last K - 1 inputs along it (hybrid.Qwen3_5.commit_recurrent)."""
     if not layers:
         return
     anc = recurrent.anc  # [N, R, R]

@@ -15,21 +15,6 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-HYBRID_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-                        "Qwen3_5MoeForCausalLM")
-
-
-def hybrid_kind(d: dict) -> str | None:
-    """"dense" or "moe" for a Qwen3.5 / Qwen3.6 hybrid config (transformers' qwen3_5, qwen3_5_moe and their text
-    configs), None for anything else."""
-    model_type, archs = d.get("model_type"), d.get("architectures") or []
-    if model_type in HYBRID_TYPES or set(HYBRID_ARCHITECTURES) & set(archs if isinstance(archs, list) else []):
-        moe = (model_type or "").startswith("qwen3_5_moe") or any("Moe" in a for a in archs if isinstance(a, str))
-        return "moe" if moe else "dense"
-    return None
-
-
 def text_config(d: dict, where: str) -> tuple[dict, str]:
     """The text model's fields of a config: Qwen3_5ForConditionalGeneration files nest them in `text_config`
     (the vision tower's in `vision_config`, unused), RoPE included: a top-level RoPE key that says otherwise is
@@ -53,32 +38,28 @@ def text_config(d: dict, where: str) -> tuple[dict, str]:
     return merged, f"{where} (text_config)"
 
 
-def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) -> dict:
-    """Qwen3Config's fields from a config.json dict (transformers v4 and v5 layouts, dense or MoE, and the Qwen3.5
-    hybrids, nested or not): every field that changes the computation is read or refused (docs/checkpoints.md
-    lists them), every value type-checked."""
-    hybrid = hybrid_kind(d)
-    if hybrid:
-        d, where = text_config(d, where)
-        hybrid = hybrid_kind(d) or hybrid
+def dense_fields(d: dict, where: str = "config.json", family: str = "qwen3", defaults: dict | None = None,
+                 mlp: bool = True, partial_default: float | None = None, rope_reader=None) -> dict:
+    """The fields of model.Qwen3Config from a config.json dict (transformers v4 and v5 layouts): every field that
+    changes the computation is read or refused (docs/checkpoints.md lists them), every value type-checked. A family
+    (families.py) reads its own fields beside these: `family` and `defaults` (transformers' head_dim and
+    num_key_value_heads for a file without them) are its, mlp=False for one without a dense MLP in every layer,
+    and partial_default for one with partial RoPE and layer kinds of its own, which it checks itself. rope_reader:
+    what reads a RoPE beyond plain RoPE (rope.rope_fields, families.rope_reader), else plain_rope."""
+    defaults = defaults or DENSE_DEFAULTS
     needed = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") + \
-        (() if hybrid == "moe" else ("intermediate_size",))  # a Qwen3.5-MoE layer has no dense MLP
+        (("intermediate_size",) if mlp else ())
     missing = [k for k in needed if k not in d]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
     sizes = {k: positive(where, d, k) for k in needed}
-    if sizes["num_hidden_layers"] > MAX_LAYERS:  # hybrid_fields and the drafter's attention_kinds list each layer
+    if sizes["num_hidden_layers"] > MAX_LAYERS:  # a family's and the drafter's per-layer lists
         raise ValueError(f"{where}: num_hidden_layers={sizes['num_hidden_layers']} is past {MAX_LAYERS}, beyond any "
                          f"model")
-    if hybrid == "moe":
+    if not mlp:
         sizes["intermediate_size"] = positive(where, d, "intermediate_size", default=1) if \
             d.get("intermediate_size") is not None else 0
     heads = sizes["num_attention_heads"]
-    if hybrid:
-        family = "qwen3_5_moe" if hybrid == "moe" else "qwen3_5"
-    else:
-        family = "qwen3_moe" if is_moe(d, moe) else "qwen3"
-    defaults = ABSENT_DEFAULTS[family]
     # A field absent from the file takes transformers' default for the family (a null num_key_value_heads means
     # as many as the heads, as transformers reads it); `defaulted` names them for a later shape error.
     kv_heads = positive(where, d, "num_key_value_heads") if d.get("num_key_value_heads") is not None else \
@@ -102,7 +83,7 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
                          f"{note}")
     eps = positive(where, d, "rms_norm_eps", float, default=1e-6)
     max_positions = positive(where, d, "max_position_embeddings", default=32768)
-    rope, rope_source = rope_parameters(d, where, 0.25 if hybrid else None, max_positions)
+    rope = (rope_reader or plain_rope)(d, where, partial_default, max_positions)
     theta = positive(where, rope, "rope_theta", float)
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window=true is not supported")
@@ -117,11 +98,10 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=sizes["intermediate_size"],
         num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, max_position_embeddings=max_positions,
-        rope_scaling=rope_scaling_fields(rope, rope_source, where),
+        rope_scaling=rope["scaling"],
         tie_word_embeddings=d.get("tie_word_embeddings", False), defaulted=defaulted)
-    if hybrid:
-        return dict(common, **hybrid_fields(d, where, rope, head_dim), **(qwen3_5_moe_fields(d, where)
-                                                                         if hybrid == "moe" else {}))
+    if partial_default is not None:
+        return dict(common, partial_rotary_factor=rope.get("partial_rotary_factor", 1.0))
     kinds = d.get("layer_types")
     if kinds is not None and (not isinstance(kinds, list) or set(kinds) - {"full_attention"}):
         raise ValueError(f"{where}: layer_types other than full_attention are not supported "
@@ -130,117 +110,34 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
     if partial != 1:
         raise ValueError(f"{where}: partial_rotary_factor={partial!r} is not supported (Qwen3 ropes every "
                          f"dimension)")
-    return dict(common, **(moe_fields(d, where) if is_moe(d, moe) else {}))
+    return common
 
 
-# What transformers 5.24 does with each RoPE type (modeling_rope_utils.ROPE_INIT_FUNCTIONS): the keys its function
-# reads besides rope_theta and partial_rotary_factor, those it cannot do without, or why the type is refused here.
-ROPE_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "proportional": ("factor",),
-    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
-    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "truncate"),
-}
-ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-                 "yarn": ("factor",)}
-ROPE_REFUSED = {
-    "dynamic": "transformers recomputes its frequencies from the longest position a forward has seen so far (and "
-               "keeps them), so a key's rotation depends on how the calls were chunked: no fixed-shape engine "
-               "gives its logits past max_position_embeddings (below it, it is plain RoPE: drop the block)",
-    "longrope": "transformers switches all positions of a forward between short_factor and long_factor by that "
-                "forward's longest position, so a key's rotation depends on how the calls were chunked",
-}
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta: a file with no rope_theta
-# The rope types whose pretraining length transformers settles into the parameters (standardize_rope_params).
-ROPE_WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
-# Keys of a rope_parameters block that text positions never read (Qwen3.5's multimodal sections).
-ROPE_TEXT_IRRELEVANT = ("mrope_section", "mrope_interleaved")
 
 
-def rope_parameters(d: dict, where: str, partial_default: float | None, max_positions: int) -> tuple[dict, str]:
-    """The RoPE parameters as transformers 5.24 settles them (PreTrainedConfig.convert_rope_params_to_dict, then
-    standardize_rope_params): a non-empty rope_scaling (v4) replaces rope_parameters (v5) whole; the top-level
-    rope_theta (else transformers' default, 10000) and partial_rotary_factor (else the family's default,
-    `partial_default`) fill what the block lacks; rope_type wins over its old name, type; llama3 and yarn take a
-    top-level original_max_position_embeddings over the block's, else max_position_embeddings. Where the
-    replacement would drop a value rope_parameters states (its rope_theta, say), the file is refused rather than
-    run with transformers' silent substitute. Returns the parameters and the name of the block they came from."""
-    given, scaling = d.get("rope_parameters"), d.get("rope_scaling")
-    for name, block in (("rope_parameters", given), ("rope_scaling", scaling)):
-        if block is not None and not isinstance(block, dict):
-            raise ValueError(f"{where}: {name} must be a JSON object or null, got {block!r}")
-    source = "rope_scaling" if scaling else "rope_parameters"
-    params = dict(scaling or given or {})
+def plain_rope_given(d: dict) -> bool:
+    """Whether a config's RoPE is plain RoPE, which plain_rope reads: no rope_scaling block (or an empty one) and a
+    rope_parameters of rope type "default" (or none). Any other block, malformed ones included, is rope.py's to
+    read (families.rope_reader)."""
+    scaling, given = d.get("rope_scaling"), d.get("rope_parameters")
+    if scaling is not None and scaling != {}:
+        return False
+    return given is None or (isinstance(given, dict) and given.get("rope_type", given.get("type", "default")) ==
+                             "default")
+
+
+def plain_rope(d: dict, where: str, partial_default: float | None, max_positions: int) -> dict:
+    """The RoPE parameters of a config whose RoPE is plain (plain_rope_given), as transformers 5.24 settles them:
+    rope_parameters' rope_theta, else the top-level one, else transformers' default (10000); partial_rotary_factor
+    likewise (else the family's default, `partial_default`); "scaling": Qwen3Config.rope_scaling."""
+    params = dict(d.get("rope_parameters") or {})
     params.setdefault("rope_theta", d.get("rope_theta", DEFAULT_ROPE_THETA))
     partial = d.get("partial_rotary_factor", partial_default)
     if partial is not None:
         params.setdefault("partial_rotary_factor", partial)
-    params.setdefault("rope_type", params.get("type", "default"))
-    if scaling and given:
-        check_nothing_dropped(given, params, where)
-    kind = params["rope_type"]
-    if not isinstance(kind, str):
-        raise ValueError(f"{where}: {source}.rope_type must be a string, got {kind!r}")
-    if kind in ROPE_REFUSED:
-        raise ValueError(f"{where}: rope scaling type {kind!r} (in {source}) is not supported: {ROPE_REFUSED[kind]}")
-    if kind not in ROPE_KEYS:
-        raise ValueError(f"{where}: rope scaling type {kind!r} (in {source}) is not one transformers 5.24 knows "
-                         f"(implemented here: {', '.join(ROPE_KEYS)})")
-    if kind in ROPE_WITH_ORIGINAL_LENGTH:
-        original = "original_max_position_embeddings"
-        params[original] = d[original] if original in d else params.get(original, max_positions)
-    return params, source
-
-
-def check_nothing_dropped(given: dict, params: dict, where: str):
-    """rope_scaling replaces rope_parameters in transformers: refuse a file whose rope_parameters says something
-    (other than plain RoPE, which the scaling block is there to change) that the settled parameters do not."""
-    given_type = given.get("rope_type", given.get("type", "default"))
-    lost = [k for k, v in given.items() if k not in ("rope_type", "type") + ROPE_TEXT_IRRELEVANT
-            and params.get(k) != v]
-    if given_type not in ("default", params["rope_type"]):
-        lost.insert(0, "rope_type")
-    if lost:
-        raise ValueError(f"{where}: rope_scaling replaces rope_parameters (as transformers 5.24 reads the file), "
-                         f"so rope_parameters' {', '.join(f'{k}={given.get(k, given_type)!r}' for k in lost)} would "
-                         f"be ignored; give {'it' if len(lost) == 1 else 'them'} in rope_scaling (or drop one block)")
-
-
-def rope_scaling_fields(params: dict, source: str, where: str) -> dict:
-    """Qwen3Config.rope_scaling: the rope type and the keys its transformers function reads, each checked (a
-    missing required key is transformers' KeyError; absent optional keys take its defaults in model.py)."""
-    kind, where = params["rope_type"], f"{where} ({source})"
-    missing = [k for k in ROPE_REQUIRED.get(kind, ()) if k not in params]
-    if missing:
-        raise ValueError(f"{where}: rope scaling type {kind!r} needs {', '.join(missing)}")
-    fields = {"rope_type": kind}
-    for key in (k for k in ROPE_KEYS[kind] if k in params):
-        value = fields[key] = params[key]
-        if value is None and kind == "yarn" and key != "original_max_position_embeddings":
-            continue  # yarn reads a null as absent (a null factor: max_position_embeddings / the original)
-        if key == "truncate":
-            if not isinstance(value, bool):
-                raise ValueError(f"{where}: truncate must be true or false, got {value!r}")
-        elif key == "original_max_position_embeddings":
-            positive(where, params, key)
-        elif key in ("beta_fast", "beta_slow"):  # turns over the original length, whose log yarn takes
-            if finite(where, params, key) < 0:
-                raise ValueError(f"{where}: {key} must be a positive number (0 or null: the default), got {value!r}")
-        elif key in ("mscale", "mscale_all_dim"):
-            finite(where, params, key)
-        else:  # factor, attention_factor, low_freq_factor, high_freq_factor
-            positive(where, params, key, float)
-    return fields
-
-
-def finite(where: str, d: dict, key: str) -> float:
-    """d[key] checked to be a finite number."""
-    value = d[key]
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{where}: {key} must be a finite number, got {value!r}")
-    return value
+    params["scaling"] = {"rope_type": "default"}
+    return params
 
 
 def defaulted_note(defaulted: tuple, family: str = "") -> str:
@@ -249,89 +146,8 @@ def defaulted_note(defaulted: tuple, family: str = "") -> str:
             f"{' for ' + family if family else ''} is taken, {', '.join(defaulted)}")
 
 
-def is_moe(d: dict, moe: bool | None = None) -> bool:
-    """Whether a Qwen3 config is Qwen3-MoE's (moe: the caller's say, when not None)."""
-    if moe is not None:
-        return moe
-    return d.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (d.get("architectures") or [])
-
-
-# What transformers 5.24 takes when config.json has no head_dim / num_key_value_heads, per family (None: hidden_size
-# / num_attention_heads, Qwen3-MoE's attention reading an absent head_dim).
-ABSENT_DEFAULTS = {"qwen3": dict(head_dim=128, num_key_value_heads=32),
-                   "qwen3_moe": dict(head_dim=None, num_key_value_heads=4),
-                   "qwen3_5": dict(head_dim=256, num_key_value_heads=4),
-                   "qwen3_5_moe": dict(head_dim=256, num_key_value_heads=2)}
-
-
-LAYER_TYPES = ("full_attention", "linear_attention")
-
-
-def hybrid_fields(d: dict, where: str, rope: dict, head_dim: int) -> dict:
-    """The Qwen3.5 fields: which layers are Gated DeltaNet (layer_types, or every full_attention_interval-th
-    layer full attention, default 4), their sizes, the partial RoPE (default 0.25 of head_dim, as transformers),
-    zero-centred norms and the attention output gate (always on in Qwen3.5)."""
-    layers = d["num_hidden_layers"]
-    kinds = d.get("layer_types")
-    if kinds is None:
-        interval = positive(where, d, "full_attention_interval", default=4)
-        kinds = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    if not isinstance(kinds, list) or len(kinds) != layers:
-        raise ValueError(f"{where}: layer_types must list one type per layer ({layers}), got {kinds!r}")
-    unknown = sorted(set(map(str, kinds)) - set(LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"{where}: unknown layer type(s) {unknown} in layer_types (supported: "
-                         f"{', '.join(LAYER_TYPES)})")
-    partial = rope.get("partial_rotary_factor", 1.0)  # 0.25 when the file gives none: rope_parameters()
-    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
-        raise ValueError(f"{where}: partial_rotary_factor must be a number in (0, 1], got {partial!r}")
-    rotary = int(head_dim * partial)
-    if rotary < 2 or rotary % 2:
-        raise ValueError(f"{where}: partial_rotary_factor={partial} of head_dim={head_dim} ropes {rotary} "
-                         f"dimensions; an even number >= 2 is needed")
-    if d.get("attn_output_gate", True) is not True:
-        raise ValueError(f"{where}: attn_output_gate={d['attn_output_gate']!r} is not supported (Qwen3.5's "
-                         f"attention is always gated)")
-    linear = {k: positive(where, d, k, default=default) for k, default in (
-        ("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128), ("linear_value_head_dim", 128),
-        ("linear_num_key_heads", 16), ("linear_num_value_heads", 32))}
-    if linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
-        raise ValueError(f"{where}: linear_num_value_heads={linear['linear_num_value_heads']} is not a multiple of "
-                         f"linear_num_key_heads={linear['linear_num_key_heads']}")
-    return dict(layer_types=tuple(kinds), partial_rotary_factor=float(partial), zero_centered_norm=True,
-                attn_output_gate=True, **linear)
-
-
-def qwen3_5_moe_fields(d: dict, where: str) -> dict:
-    """Qwen3.5-MoE: every layer sparse, top-k always renormalized, plus a shared expert gated by
-    sigmoid(shared_expert_gate(x)). transformers ignores decoder_sparse_step, mlp_only_layers and norm_topk_prob
-    here; a file that sets them to something else is refused rather than guessed at."""
-    if d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers") or d.get("norm_topk_prob", True) is not True:
-        raise ValueError(f"{where}: decoder_sparse_step / mlp_only_layers / norm_topk_prob other than 1 / [] / true "
-                         f"are not supported for qwen3_5_moe (transformers ignores them: every layer is sparse, "
-                         f"top-k renormalized)")
-    fields = moe_fields(dict(d, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]), where)
-    fields["shared_expert_intermediate_size"] = positive(where, d, "shared_expert_intermediate_size", default=512)
-    return fields
-
-
-def moe_fields(d: dict, where: str) -> dict:
-    """The Qwen3-MoE fields of a config: transformers 4.x writes num_experts, 5.x num_local_experts."""
-    key = "num_experts" if "num_experts" in d else "num_local_experts"
-    experts = positive(where, d, key)
-    top_k = positive(where, d, "num_experts_per_tok")
-    if top_k > experts:
-        raise ValueError(f"{where}: num_experts_per_tok={top_k} exceeds {key}={experts}")
-    only = d.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
-        raise ValueError(f"{where}: mlp_only_layers must be a list of layer indices, got {only!r}")
-    if not isinstance(d.get("norm_topk_prob", False), bool):
-        raise ValueError(f"{where}: norm_topk_prob must be true or false, got {d['norm_topk_prob']!r}")
-    return dict(num_experts=experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=positive(where, d, "moe_intermediate_size"),
-                norm_topk_prob=d.get("norm_topk_prob", False),
-                decoder_sparse_step=positive(where, d, "decoder_sparse_step", default=1),
-                mlp_only_layers=tuple(only))
+# What transformers 5.24 takes for a Qwen3 config.json without head_dim / num_key_value_heads.
+DENSE_DEFAULTS = dict(head_dim=128, num_key_value_heads=32)
 
 
 # No checkpoint's size comes near these; past them a config.json is refused before anything is sized by it
@@ -417,24 +233,6 @@ def parse_device(device) -> torch.device:
     except (RuntimeError, AssertionError, TypeError) as e:
         raise ValueError(f"device {str(device)!r} is not usable here ({str(e).splitlines()[0]})") from None
     return device
-
-
-def check_qwen3_config(d: dict, where: str):
-    model_type, archs = d.get("model_type"), d.get("architectures") or []
-    if hybrid_kind(d):
-        return
-    if model_type not in ("qwen3", "qwen3_moe") and not {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(archs):
-        raise ValueError(f"{where}: not a Qwen3 or Qwen3.5 checkpoint (model_type={model_type!r}, "
-                         f"architectures={archs})")
-
-
-def checkpoint_prefixes(d: dict) -> tuple[tuple, tuple]:
-    """(prefixes stripped from tensor names, prefixes of tensors skipped) for a target's config: Qwen3.5 files
-    keep the text model under model.language_model. (ForConditionalGeneration) or model. (ForCausalLM), and may
-    carry a vision tower (model.visual.*) and multi-token-prediction weights (mtp.*), which are not used."""
-    if hybrid_kind(d):
-        return ("model.language_model.", "model."), ("model.visual.", "mtp.", "model.mtp.")
-    return ("model.",), ()
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -752,9 +550,10 @@ def dflash_setting(d: dict, key: str, default=None):
     return (d.get("dflash_config") or {}).get(key, d.get(key, default))
 
 
-def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
+def dflash_config_fields(d: dict, where: str = "config.json", rope_reader=None) -> dict:
     """drafter.DFlashConfig's fields from a z-lab DFlash config.json, every value checked; its own layers' Qwen3
-    fields as "model" (dense, whatever its target). A family's own fields (DFlash 2's) are its module's."""
+    fields as "model" (dense, whatever its target; its RoPE read by rope_reader, families.rope_reader). A family's
+    own fields (DFlash 2's) are its module's."""
     dflash_architecture(d, where)
     if not isinstance(d.get("dflash_config") or {}, dict):
         raise ValueError(f"{where}: dflash_config must be a JSON object")
@@ -764,7 +563,8 @@ def dflash_config_fields(d: dict, where: str = "config.json") -> dict:
 
     rest = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "use_sliding_window",
                                                     "is_causal")}
-    model = config_fields(rest, where, moe=False)  # first: its layer count is checked before attention_kinds
+    # first: its layer count is checked before attention_kinds
+    model = dense_fields(rest, where, rope_reader=rope_reader)
     attention = attention_kinds(d, where)
     for key in ("block_size", "num_target_layers", "mask_token_id"):
         if not isinstance(value(key), int) or isinstance(value(key), bool):

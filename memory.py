@@ -5,7 +5,7 @@ grow with the context. The command line prints it with --memory."""
 
 import torch
 
-from gated_delta import compute_dtype
+from model import compute_dtype
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype | None = None) -> int:
@@ -21,7 +21,7 @@ def recurrent_bytes_per_request(target, dtype: torch.dtype | None = None) -> int
     dtype = dtype or target.dtype
     return sum(m.channels * (m.kernel - 1) * element_size(dtype) +
                m.value_heads * m.key_dim * m.value_dim * element_size(compute_dtype(dtype))
-               for m in target.recurrent_layers)
+               for m in getattr(target, "recurrent_layers", ()))
 
 
 def memory_per_token(target, drafter=None, dtype: torch.dtype | None = None) -> dict:

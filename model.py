@@ -1,18 +1,15 @@
-"""Qwen3 target models (dense, Qwen3-MoE, Qwen3.5 hybrids): Hugging Face checkpoints loaded through safetensors into
-our own modules.
+"""The dense Qwen3 target: a Hugging Face checkpoint loaded through safetensors into our own modules.
 
 The forward takes token ids, their RoPE positions and the cache slots their K/V go to (they differ in a tree
 verify: a node at depth d sits at position start + d but in slot start + row), attends under a BlockMask from
 tree_attn.py (FlexAttention; on the CPU, cpu/ attends under it its own way), and returns float32 logits for the
 requested rows plus, on request, the outputs of chosen layers (the drafter's context features). Inputs carry a
 batch of independent requests (each with its own rows, positions, slots and cache row); the K/V cache is static,
-one buffer per layer with a row per request. Qwen3.5 / Qwen3.6 hybrids (docs/checkpoints.md) are the same class:
-their Gated DeltaNet layers (gated_delta.py) keep a recurrent state per request instead, and take a Recurrent
-saying which rows of the forward are a chain or a tree. The config, then the modules bottom-up; loading is
-loading.py.
+one buffer per layer with a row per request. The config, then the modules bottom-up; loading is loading.py.
+Every other family (Qwen3-MoE, the Qwen3.5 / 3.6 hybrids, RoPE scaling, tensor parallel) is a module of its own
+that families.py applies to this skeleton after it is built (docs/families.md); nothing here imports one.
 """
 
-import functools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -22,13 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from gated_delta import GatedDeltaNet, Recurrent, ZeroCenteredRMSNorm, commit_tree, compute_dtype
-from loading import (check_layer_count, check_qwen3_config, checkpoint_prefixes, config_fields, defaulted_note,
-                     eos_ids_of, load_weights, on_meta, parse_device, parse_dtype, read_json, resolve_checkpoint,
-                     text_config)
-from moe import SparseMoE
-from rope import rope_frequencies
-import tp
+import families
+from loading import (check_layer_count, defaulted_note, eos_ids_of, load_weights, on_meta, parse_device, parse_dtype,
+                     read_json, resolve_checkpoint, text_config)
 from tree_attn import flex_kernel_options, prefix_block_mask
 
 
@@ -49,41 +42,15 @@ class Qwen3Config:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    # RoPE beyond rope_theta (loading.rope_scaling_fields): the rope type ("default" is plain RoPE; "linear",
-    # "yarn", "llama3", "proportional") and the keys its transformers function reads (rope.rope_frequencies).
+    # RoPE beyond rope_theta, read by rope.py when the file names a scaling (families.py): the rope type ("default"
+    # is plain RoPE) and the keys its transformers function reads. partial_rotary_factor: the share of each head
+    # that RoPE rotates (1 here; a family with partial RoPE reads another).
     rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
-    # Qwen3-MoE (0 experts: dense). Layer i is sparse iff i is not in mlp_only_layers, there are experts, and
-    # (i + 1) % decoder_sparse_step == 0; its MLP routes each row to num_experts_per_tok experts of width
-    # moe_intermediate_size. Dense layers use intermediate_size.
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple = ()
-    # Qwen3.5 / Qwen3.6 hybrids (transformers' qwen3_5, qwen3_5_moe). layer_types: "full_attention" or
-    # "linear_attention" (Gated DeltaNet, gated_delta.py) per layer; () = every layer full attention (Qwen3).
-    # Attention there ropes the first partial_rotary_factor * head_dim dimensions, gates its output with
-    # sigmoid of a second half of q_proj (attn_output_gate), and every RMSNorm but the Gated DeltaNet's own is
-    # zero-centred (x * (1 + w)). A Qwen3.5-MoE MLP adds a shared expert of shared_expert_intermediate_size.
-    layer_types: tuple = ()
     partial_rotary_factor: float = 1.0
-    zero_centered_norm: bool = False
-    attn_output_gate: bool = False
-    linear_conv_kernel_dim: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    shared_expert_intermediate_size: int = 0
     defaulted: tuple = ()  # "field=value" of head_dim / num_key_value_heads when config.json has none (loading.py)
-
-    def sparse(self, layer: int) -> bool:
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
-
-    def layer_type(self, layer: int) -> str:
-        return self.layer_types[layer] if self.layer_types else "full_attention"
+    # A family's own fields, read by its module (families.py): moe.MoEConfig, hybrid.HybridConfig; None for dense.
+    moe: object = None
+    hybrid: object = None
 
     @property
     def rotary_dim(self) -> int:
@@ -92,9 +59,23 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json", moe: bool | None = None) -> "Qwen3Config":
-        """Reads every value from the file (transformers v4 and v5 layouts, dense or MoE); refuses what we would get
-        wrong (loading.config_fields). moe: read the MoE fields (default: when the file says qwen3_moe)."""
-        return cls(**config_fields(d, where, moe))
+        """Reads every value from the file (transformers v4 and v5 layouts, any family families.py knows); refuses
+        what we would get wrong. moe: read the MoE fields (default: when the file says qwen3_moe)."""
+        return cls(**families.config_fields(d, where, moe))
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where the reference upcasts: float32 for bf16 / fp16 / fp32 models, float64 for float64 ones."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rope_frequencies(config, device=None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotated dims / 2] in float32, attention factor) of a config's RoPE: plain RoPE here, as
+    transformers computes it; a scaled RoPE's from rope.py (families.py)."""
+    if config.rope_scaling["rope_type"] != "default":
+        return families.scaled_rope(config, device)
+    dim = config.rotary_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)), 1.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -175,50 +156,30 @@ def _layer_once(layer, x, cos, sin, cache_pos, kv_num_blocks, kv_indices, full_n
     return layer(x, cos, sin, cache_pos, mask)
 
 
-@torch.compiler.nested_compile_region
-def _recurrent_chain_once(layer, x, valid):
-    return layer(x, None, None, None, None, Recurrent.chain(valid))
-
-
-@torch.compiler.nested_compile_region
-def _recurrent_tree_once(layer, x, parents, anc, depth):
-    recurrent = Recurrent.tree(parents, anc, depth)
-    x = layer(x, None, None, None, None, recurrent)
-    return (x, *next(iter(recurrent.pending.values())))
-
-
-def run_layer(layer, x, cos, sin, cache_pos, mask, recurrent=None):
+def run_layer(layer, x, cos, sin, cache_pos, mask):
     """layer(x, ...) through the layers' one compiled region (see the switch above; eagerly the region is a plain
-    call). A recurrent layer's region takes the Recurrent's tensors and hands back what a tree verify leaves for the
-    commit (recurrent.pending). A BlockMask made elsewhere than a PrefixMask (a test's, written out) has no tensors
-    to rebuild it from: its layer is called as it is."""
-    if not COMPILE_LAYERS_ONCE or not (layer.recurrent or hasattr(mask, "prefix_tensors")):
-        return layer(x, cos, sin, cache_pos, mask, recurrent)
-    if layer.recurrent:
-        if recurrent is not None and recurrent.is_tree:
-            x, *pending = _recurrent_tree_once(layer, x, recurrent.parents, recurrent.anc, recurrent.depth)
-            recurrent.pending[layer.linear_attn.index] = tuple(pending)
-            return x
-        return _recurrent_chain_once(layer, x, None if recurrent is None else recurrent.valid)
+    call). A BlockMask made elsewhere than a PrefixMask (a test's, written out) has no tensors to rebuild it from:
+    its layer is called as it is."""
+    if not COMPILE_LAYERS_ONCE or not hasattr(mask, "prefix_tensors"):
+        return layer(x, cos, sin, cache_pos, mask)
     # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the PrefixMask's
     # BlockMask goes in as its tensors and is rebuilt inside, so each distinct layer is traced once.
     return _layer_once(layer, x, cos, sin, cache_pos, *mask.prefix_tensors, mask.window or 0, mask.context or 0)
 
 
 class Attention(nn.Module):
-    """Qwen3's attention; with gate=True (Qwen3.5) q_proj also gives a per-head output gate (each head's query
-    then its gate) and the output is o_proj(attention * sigmoid(gate)). `norm`: the q/k norm's class."""
+    """Qwen3's attention. `q_rows`: the rows of q_proj (a family whose q_proj gives more than the queries says
+    more)."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, gate: bool = False,
-                 norm=RMSNorm):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, q_rows: int | None = None):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.gate = heads, kv_heads, head_dim, gate
-        self.q_rows = heads * head_dim * (2 if gate else 1)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_rows = q_rows or heads * head_dim
         kv_rows = kv_heads * head_dim
         self.qkv_proj = Linear(hidden, parts={"q_proj": self.q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
         self.o_proj = Linear(heads * head_dim, hidden)
-        self.q_norm = norm(head_dim, eps)
-        self.k_norm = norm(head_dim, eps)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
         # Static K/V caches, registered as (non-persistent) buffers so CUDA graphs see fixed addresses.
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
@@ -241,15 +202,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache_pos, mask):
         n, q_len = x.shape[:2]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        if self.gate:
-            q, gate = q.view(n, q_len, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q.reshape(n, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         self.store_kv(k, v, cos, sin, cache_pos)
-        out = self.attend(q, mask, self.head_dim ** -0.5)
-        if self.gate:
-            out = out * torch.sigmoid(gate.reshape(n, q_len, self.heads * self.head_dim))
-        return self.o_proj(out)
+        return self.o_proj(self.attend(q, mask, self.head_dim ** -0.5))
 
     def attend(self, q, mask, scale):
         """q [N, H, Q, D] over this layer's caches under the BlockMask `mask`, as [N, Q, H * D]: the one attention
@@ -273,35 +229,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm Qwen3 decoder layer (also the DFlash drafter's layer, whose attention differs only in K/V);
-    layer `index` of a Qwen3-MoE model may have the sparse MLP. In a Qwen3.5 hybrid, a linear_attention layer
-    mixes with a Gated DeltaNet (`linear_attn`, taking the forward's Recurrent) instead of `self_attn`."""
+    """One pre-norm Qwen3 decoder layer (also the DFlash drafter's layer, whose attention differs only in K/V)."""
 
     def __init__(self, c: Qwen3Config, index: int = 0):
         super().__init__()
-        norm = ZeroCenteredRMSNorm if c.zero_centered_norm else RMSNorm
-        self.input_layernorm = norm(c.hidden_size, c.rms_norm_eps)
-        self.recurrent = c.layer_type(index) == "linear_attention"
-        if self.recurrent:
-            self.linear_attn = GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
-                                             c.linear_key_head_dim, c.linear_value_head_dim,
-                                             c.linear_conv_kernel_dim, c.rms_norm_eps, index)
-        else:
-            self.self_attn = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                       c.rms_norm_eps, gate=c.attn_output_gate, norm=norm)
-        self.post_attention_layernorm = norm(c.hidden_size, c.rms_norm_eps)
-        if c.sparse(index):
-            self.mlp = SparseMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                                 c.norm_topk_prob, shared_inter=c.shared_expert_intermediate_size)
-        else:
-            self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                   c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, cos, sin, cache_pos, mask, recurrent=None):
-        h = self.input_layernorm(x)
-        if self.recurrent:
-            x = x + self.linear_attn(h, recurrent)
-        else:
-            x = x + self.self_attn(h, cos, sin, cache_pos, mask)
+    def forward(self, x, cos, sin, cache_pos, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_pos, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -313,7 +252,7 @@ def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
     next batch at the full size, allocate nothing."""
     with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
         for layer in layers:
-            if not hasattr(layer, "self_attn"):  # a recurrent layer (Qwen3.5's Gated DeltaNet): no K/V
+            if not hasattr(layer, "self_attn"):  # a layer of another kind (a recurrent one): no K/V
                 continue
             attn = layer.self_attn
             shape = (batch, attn.kv_heads, length, attn.head_dim)
@@ -340,14 +279,15 @@ def tie_or_keep_head(model, path: str):
 
 
 class Qwen3(nn.Module):
+    recurrent = False  # no recurrent state: the engine builds and commits none (a recurrent family's class says True)
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
-        self.recurrent_layers = [layer.linear_attn for layer in self.layers if layer.recurrent]  # in layer order
-        self.norm = (ZeroCenteredRMSNorm if c.zero_centered_norm else RMSNorm)(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -366,41 +306,18 @@ class Qwen3(nn.Module):
 
     def setup_cache(self, length: int, batch: int = 1):
         """Allocate (or reuse) one K and one V buffer per attention layer for `batch` requests of `length` slots (a
-        multiple of 128), and per recurrent layer its conv state [batch, C, K - 1] (model dtype) and state
-        [batch, Hv, Dk, Dv] (float32; float64 for a float64 model), reused the same way."""
+        multiple of 128)."""
         allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
-        for m in self.recurrent_layers:
-            m.allocate(batch, self.dtype, self.device)
 
     def kv_caches(self):
-        """Each attention layer's K and V cache, in order (recurrent layers have none)."""
+        """Each attention layer's K and V cache, in order."""
         for layer in self.layers:
-            if not layer.recurrent:
+            if hasattr(layer, "self_attn"):
                 yield from (layer.self_attn.k_cache, layer.self_attn.v_cache)
 
-    @property
-    def recurrent(self) -> bool:
-        """Whether the model has recurrent (Gated DeltaNet) layers."""
-        return any(layer.recurrent for layer in self.layers)
-
-    def reset_recurrent(self):
-        """Zero every recurrent and conv state (before a new prompt's prefill)."""
-        for t in self.state_tensors():
-            t.zero_()
-
-    def state_tensors(self):
-        """Every per-request recurrent tensor (request row = dim 0): each recurrent layer's conv state, then its
-        state (after setup_cache)."""
-        for m in self.recurrent_layers:
-            yield m.conv_state
-            yield m.state
-
-    def commit_recurrent(self, recurrent, path, length):
-        """After a tree verify (recurrent.pending filled): each recurrent layer's state := its state after the
-        accepted path, and its conv state := the last K - 1 inputs along it. path [N, D + 1]: accepted rows from
-        the root (entries past length ignored); length [N] >= 1 (counts the root). In place, static shapes, no host
-        read. A no-op for a model without recurrent layers."""
-        commit_tree(self.recurrent_layers, recurrent, path, length)
+    def run_layer(self, layer, x, cos, sin, cache_pos, mask, recurrent):
+        """One layer of the forward (a recurrent family routes its recurrent layers, which take `recurrent`)."""
+        return run_layer(layer, x, cos, sin, cache_pos, mask)
 
     def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), recurrent=None,
                 argmax=False):
@@ -408,12 +325,9 @@ class Qwen3(nn.Module):
         cache row n), or [Q] for one request. Returns (float32 logits [N, len(logits_rows) or Q, V] (float64 for a
         float64 model), features [N, Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers,
         concatenated; without the leading N for 1-D input. logits_rows: [N, k] rows of each request to take logits
-        of (or [k]). recurrent: a gated_delta.Recurrent for models with recurrent layers (Recurrent.chain(valid)
-        for a prefill chunk or decode step: their states advance in place over the valid rows;
-        Recurrent.tree(parents, anc) for a verify: states untouched, recurrent.pending filled for
-        commit_recurrent); None means a chain of all-valid rows. Models without recurrent layers ignore it.
-        argmax: in place of the logits, the pair (each row's argmax token, whether all its logits are finite), which
-        under tensor parallel gathers no logits (tp.VocabParallelHead.argmax)."""
+        of (or [k]). recurrent: a recurrent target's state for this forward (built by its hooks,
+        settings.RECURRENT_HOOKS); None here. argmax: in place of the logits, the pair (each row's argmax token, whether all its logits are
+        finite), which under tensor parallel gathers no logits (tp.VocabParallelHead.argmax)."""
         if tokens.dim() == 1:
             rows = None if logits_rows is None else logits_rows[None]
             logits, features = self(tokens[None], input_pos[None], cache_pos[None], block_mask, rows, feature_layers,
@@ -424,7 +338,7 @@ class Qwen3(nn.Module):
         cos, sin = (t[:, None] for t in rope_cos_sin(input_pos, self.inv_freq, self.rope_attention_factor, x.dtype))
         outputs, last = {}, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = run_layer(layer, x, cos, sin, cache_pos, block_mask, recurrent)
+            x = self.run_layer(layer, x, cos, sin, cache_pos, block_mask, recurrent)
             if i in feature_layers:
                 # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
                 # read the last layer were trained on that: match it (docs/checkpoints.md, "context features").
@@ -440,23 +354,24 @@ class Qwen3(nn.Module):
     @classmethod
     def from_pretrained(cls, path_or_repo: str, device=None, dtype=None) -> "Qwen3":
         """The checkpoint at a local path or Hub repo, read as transformers 5.24 reads it (docs/checkpoints.md);
-        bf16 on CUDA and fp32 elsewhere unless `dtype` says."""
+        bf16 on CUDA and fp32 elsewhere unless `dtype` says. The dense skeleton is built on meta, the families its
+        config.json names are applied to it (families.py), then the weights are read into it."""
         path = resolve_checkpoint(path_or_repo, "target")
-        raw = read_json(os.path.join(path, "config.json"))
         where = os.path.join(path, "config.json")
-        check_qwen3_config(raw, where)
+        raw = read_json(where)
+        other = families.other_loader(raw, where)
+        if other is not None:  # another family's own target class
+            return other(path, device, dtype)
         config = Qwen3Config.from_dict(raw, where)
-        strip, skip_prefixes = checkpoint_prefixes(raw)
+        strip, skip_prefixes = families.checkpoint_prefixes(raw)
         check_layer_count(path, config.num_hidden_layers, where, skip_prefixes)
-        device = tp.setup(parse_device(device))
+        device, take = families.parallel_device(parse_device(device))
         dtype = parse_dtype(dtype, device)
-        model = on_meta(lambda: cls(config), where)
-        # launched by torchrun: this rank's shard, read as slices (tp.py)
-        take = functools.partial(tp.take, tp.shard(model)) if tp.enabled() else None
+        model = on_meta(lambda: families.build(cls, config), where)
         optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
         try:
             load_weights(model, path, strip_prefix=strip, device=device, dtype=dtype, optional=optional,
-                         skip_prefixes=skip_prefixes, take=take)
+                         skip_prefixes=skip_prefixes, take=take and take(model))
         except ValueError as e:
             if config.defaulted and "has shape" in str(e):
                 raise ValueError(f"{e} ({defaulted_note(config.defaulted)})") from None

@@ -1,9 +1,78 @@
-"""The sparse MoE MLP of Qwen3-MoE targets (Qwen3-Coder-30B-A3B and kin): routing, and three ways for rows to meet
-their experts, chosen per compiled graph from shapes and the device alone."""
+"""The Qwen3-MoE family (Qwen3-Coder-30B-A3B and kin; the MLP of Qwen3.5-MoE too): its config fields, the sparse MLP
+that families.py swaps into the sparse layers of a dense Qwen3 after it is built, routing, and three ways for rows to
+meet their experts, chosen per compiled graph from shapes and the device alone."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from loading import positive
+from model import MLP, Linear
+
+
+# What transformers 5.24 takes when config.json has no head_dim (None: hidden_size / num_attention_heads, as
+# Qwen3-MoE's attention reads an absent one) / num_key_value_heads.
+DEFAULTS = dict(head_dim=None, num_key_value_heads=4)
+
+
+@dataclass
+class MoEConfig:
+    """Layer i is sparse iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; its MLP routes each
+    row to num_experts_per_tok of num_experts experts of width moe_intermediate_size (dense layers keep the
+    intermediate_size MLP). A Qwen3.5-MoE MLP adds a shared expert of shared_expert_intermediate_size."""
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    shared_expert_intermediate_size: int = 0
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+def moe_fields(d: dict, where: str) -> dict:
+    """The Qwen3-MoE fields of a config: transformers 4.x writes num_experts, 5.x num_local_experts."""
+    key = "num_experts" if "num_experts" in d else "num_local_experts"
+    experts = positive(where, d, key)
+    top_k = positive(where, d, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} exceeds {key}={experts}")
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ValueError(f"{where}: mlp_only_layers must be a list of layer indices, got {only!r}")
+    if not isinstance(d.get("norm_topk_prob", False), bool):
+        raise ValueError(f"{where}: norm_topk_prob must be true or false, got {d['norm_topk_prob']!r}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=positive(where, d, "moe_intermediate_size"),
+                norm_topk_prob=d.get("norm_topk_prob", False),
+                decoder_sparse_step=positive(where, d, "decoder_sparse_step", default=1),
+                mlp_only_layers=tuple(only))
+
+
+def qwen3_5_moe_fields(d: dict, where: str) -> dict:
+    """Qwen3.5-MoE: every layer sparse, top-k always renormalized, plus a shared expert gated by
+    sigmoid(shared_expert_gate(x)). transformers ignores decoder_sparse_step, mlp_only_layers and norm_topk_prob
+    here; a file that sets them to something else is refused rather than guessed at."""
+    if d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers") or d.get("norm_topk_prob", True) is not True:
+        raise ValueError(f"{where}: decoder_sparse_step / mlp_only_layers / norm_topk_prob other than 1 / [] / true "
+                         f"are not supported for qwen3_5_moe (transformers ignores them: every layer is sparse, "
+                         f"top-k renormalized)")
+    fields = moe_fields(dict(d, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]), where)
+    fields["shared_expert_intermediate_size"] = positive(where, d, "shared_expert_intermediate_size", default=512)
+    return fields
+
+
+def apply(model, c: MoEConfig):
+    """The sparse MLP in place of the dense one in each sparse layer of a target built on meta."""
+    hidden = model.config.hidden_size
+    for i, layer in enumerate(model.layers):
+        if c.sparse(i):
+            layer.mlp = SparseMoE(hidden, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                                  c.norm_topk_prob, shared_inter=c.shared_expert_intermediate_size)
 
 
 class SparseMoE(nn.Module):
@@ -25,7 +94,6 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden: int, inter: int, experts: int, top_k: int, norm_topk_prob: bool, shared_inter: int = 0):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        from model import MLP, Linear  # (model.py imports this file)
         self.gate = Linear(hidden, experts)  # the router
         self.experts = nn.Module()
         self.experts.gate_proj = nn.Parameter(torch.empty(experts, inter, hidden))

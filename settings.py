@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from drafter import DFlashDrafter
-from rope import position_limit
+from families import position_limit
 from sampler import Sampling
 
 METHODS = ("ddtree", "dflash", "ar")
@@ -203,7 +203,7 @@ class Target(Protocol):
     and a family with its own layers is one module whose model has these members (docs/families.md). Every tensor
     argument has the batch first. A target with recurrent layers adds the hooks of docs/families.md ("Recurrent
     targets") and says so with `recurrent = True`; without that member a target is not recurrent."""
-    config: Any  # a dataclass: vocab_size, and what rope.position_limit reads (max_position_embeddings, rope_scaling)
+    config: Any  # a dataclass: vocab_size, and what families.position_limit reads (max_position_embeddings, ...)
     eos_ids: list[int]  # the default stop tokens
     embed_tokens: torch.nn.Module  # the drafter embeds and reads out through the target's own embedding and head
     lm_head: torch.nn.Module
@@ -223,6 +223,11 @@ class Target(Protocol):
 
 
 TARGET_MEMBERS = (*Target.__annotations__, "__call__", "setup_cache", "kv_caches")
+
+
+# The members a recurrent target (recurrent_target) has beside Target's: the hooks the engine calls on it alone
+# (docs/recurrent_tree.md, "Hooks"; hybrid.Qwen3_5 has them).
+RECURRENT_HOOKS = ("reset_recurrent", "state_tensors", "chain_state", "tree_state", "commit_recurrent")
 
 
 def recurrent_target(target) -> bool:

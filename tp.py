@@ -32,6 +32,7 @@ functional ones, which torch.compile traces into the round's graph.
 
 import atexit
 import datetime
+import functools
 import gc
 import os
 import re
@@ -322,7 +323,7 @@ def shard(model) -> Plan:
     plan = Plan()
     for i, block in enumerate(model.layers):
         prefix = f"layers.{i}"
-        if block.recurrent:
+        if hasattr(block, "linear_attn"):  # a hybrid's Gated DeltaNet layer
             shard_gated_delta(block.linear_attn, f"{prefix}.linear_attn", plan)
             mixer = block.linear_attn
         else:
@@ -347,6 +348,11 @@ def shard(model) -> Plan:
 
 
 EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def taker(model):
+    """take for loading.load_weights, of this rank's shard of `model` (built on meta: shard resizes it first)."""
+    return functools.partial(take, shard(model))
 
 
 def take(plan: Plan, name: str, stored) -> torch.Tensor:

@@ -88,10 +88,23 @@ def use_cpu_classes(*models):
     """Every model.Linear and model.Attention of `models` becomes a CpuLinear / CpuAttention, in place (same weights
     and caches, the CPU forward): what every engine on the CPU runs, eager or compiled. Anything else (None, a target
     that shows only what ddtree.Target lists) keeps its layers."""
-    swaps = {Linear: CpuLinear, Attention: CpuAttention}
     for model in (m for m in models if isinstance(m, nn.Module)):
         for m in model.modules():
-            m.__class__ = swaps.get(type(m), type(m))
+            m.__class__ = cpu_class(type(m))
+
+
+@functools.cache
+def cpu_class(cls):
+    """The CPU class of a module's class: CpuLinear for model.Linear, CpuAttention for model.Attention, and for a
+    family's own attention (a subclass, such as hybrid.GatedAttention) one that is both: its forward,
+    CpuAttention's attend and kv_proj."""
+    if cls is Linear:
+        return CpuLinear
+    if cls is Attention:
+        return CpuAttention
+    if issubclass(cls, Attention) and not issubclass(cls, CpuAttention):
+        return type(f"Cpu{cls.__name__}", (CpuAttention, cls), {})
+    return cls
 
 
 # The one-row switch (docs/compile.md, "one-row Linear on CPU"). Decoding one token only streams the weights, and

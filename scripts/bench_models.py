@@ -34,7 +34,7 @@ from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Engine, cache_length, generate
 from drafter import DFlashDrafter
 from model import Qwen3
 from moe import SparseMoE, device_capability, expert_path
-from rope import position_limit
+from families import position_limit
 from sampler import Sampling
 from settings import Speculation, check_int, check_models, check_request, check_settings, grouped
 from text import Text
@@ -831,7 +831,7 @@ def describe_hybrid(models, out):
     hybrid = models["hybrid"]
     state = state_bytes_per_token(hybrid)
     m0 = hybrid.recurrent_layers[0]
-    out["hybrid"] = dict(HYBRID, layer_types=list(hybrid.config.layer_types), state_bytes_per_token=state,
+    out["hybrid"] = dict(HYBRID, layer_types=list(hybrid.config.hybrid.layer_types), state_bytes_per_token=state,
                          parameters=sum(t.numel() for t in hybrid.parameters()))
     out["dense"] = dict(path=os.path.relpath(DENSE, ROOT),
                         parameters=sum(t.numel() for t in models["dense"].parameters()))
@@ -839,7 +839,7 @@ def describe_hybrid(models, out):
     state_27b = big["layers"] * big["heads"] * big["key_dim"] * big["value_dim"] * 4
     out["qwen3_5_27b"] = dict(big, state_bytes_per_token=state_27b)
     print(f"machine: {out['machine']}")
-    print(f"hybrid: {hybrid.config.layer_types}; Gated DeltaNet Hk={m0.key_heads} Hv={m0.value_heads} "
+    print(f"hybrid: {hybrid.config.hybrid.layer_types}; Gated DeltaNet Hk={m0.key_heads} Hv={m0.value_heads} "
           f"Dk={m0.key_dim} Dv={m0.value_dim}; {out['hybrid']['parameters'] / 1e6:.2f} M parameters "
           f"(dense: {out['dense']['parameters'] / 1e6:.2f} M); recurrent state per token "
           f"{state / 2**10:.0f} KiB (Qwen3.5-27B: {state_27b / 2**20:.0f} MiB)", flush=True)

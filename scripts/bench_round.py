@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from benchlib import (ROOT, best_of, compare, positive_int, held_out_code, interleaved_runs, print_rows, random_tokens,
-                      round_header, round_row, round_split, save_random_pair, save_random_target, timed, tree_alone,
-                      verify_ms, write_json)
+                      round_header, round_row, round_split, save_random_pair, save_random_target, target_config, timed,
+                      tree_alone, verify_ms, write_json)
 import cpu
 import ddtree
 import model
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint
 from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, Engine, Speculation, cache_length
 from drafter import DFlashDrafter
-from gated_delta import Recurrent
+import families
 from model import Linear, Qwen3, Qwen3Config
 from sampler import Sampling, draw_noise, sample, warp_probs
 from text import Text
@@ -515,8 +515,8 @@ def kernels(a):
         raise ValueError("--layers must be at least 4 (the hybrid's layout: three Gated DeltaNet layers, then "
                          "attention)")
     hybrid_types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(a.layers))
-    configs = {"dense": Qwen3Config(**SMALL_DENSE, num_hidden_layers=a.layers),
-               "hybrid": Qwen3Config(**SMALL_HYBRID, num_hidden_layers=a.layers, layer_types=hybrid_types)}
+    configs = {"dense": target_config(**SMALL_DENSE, num_hidden_layers=a.layers),
+               "hybrid": target_config(**SMALL_HYBRID, num_hidden_layers=a.layers, layer_types=hybrid_types)}
     out = {}
     print(f"{'target':8s} {'layers':>6s} {'gemm':>6s} {'fused':>6s} {'other':>6s} {'total':>6s} {'per layer':>10s}")
     for name, config in configs.items():
@@ -543,7 +543,7 @@ def decode_step_calls(config: Qwen3Config) -> collections.Counter:
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     torch.manual_seed(0)
-    m = Qwen3(config).eval()
+    m = families.build(Qwen3, config).eval()
     m.setup_cache(1024)
     mask = PrefixMask(1, 1024, "cpu").set(torch.tensor([100]))
     dense = cpu.dense_mask(mask, 1)  # materialized here, outside the graph
@@ -561,7 +561,8 @@ def decode_step_calls(config: Qwen3Config) -> collections.Counter:
     token, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([[100]])
 
     def step(token, pos):
-        return m(token, pos, pos, mask, recurrent=Recurrent.chain(torch.ones(1, dtype=torch.long)))[0]
+        state = m.chain_state(torch.ones(1, dtype=torch.long)) if m.recurrent else None
+        return m(token, pos, pos, mask, recurrent=state)[0]
 
     with torch.inference_mode(), cpu.layers_inlined():  # every layer's calls in the one graph
         _, code = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=False), token, pos)

@@ -33,9 +33,8 @@ import batch as batching  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch  # noqa: E402
 from dflash2 import DFlash2Config, DFlash2Drafter  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from gated_delta import Recurrent  # noqa: E402
-from model import Qwen3, Qwen3Config  # noqa: E402
-from rope import rope_frequencies  # noqa: E402
+import families  # noqa: E402
+from model import Qwen3, Qwen3Config, rope_frequencies  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
 from train_target import HELD_OUT_EVERY, read  # noqa: E402
@@ -294,10 +293,12 @@ def tree_verify(target, budget: int, compile: bool = False, prompt_len: int = 25
     depth = int(depths.max())  # the bound the engine would pass (its draft positions), here the tree's own
 
     def forward(tokens, positions, slots, start, parents):
-        tree = Recurrent.tree(parents, ancestor_matrix(parents, depth, dtype=torch.uint8), depth)
-        logits, features = target(tokens, positions, slots, mask.set(start, tree.anc), feature_layers=feature_layers,
+        anc = ancestor_matrix(parents, depth, dtype=torch.uint8)
+        tree = target.tree_state(parents, anc, depth) if target.recurrent else None
+        logits, features = target(tokens, positions, slots, mask.set(start, anc), feature_layers=feature_layers,
                                   recurrent=tree, argmax=argmax)
-        return (logits, features, *(t for i in sorted(tree.pending) for t in tree.pending[i][1:]))
+        pending = tree.pending if tree is not None else {}
+        return (logits, features, *(t for i in sorted(pending) for t in pending[i][1:]))
 
     if compile:
         forward = torch.compile(forward, dynamic=False, fullgraph=True,
@@ -549,13 +550,36 @@ def fill_random(module, seed: int, std: float, zero_centred: bool):
                 p.normal_(0.0, std, generator=gen)
 
 
+HYBRID_FIELDS = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+              "mlp_only_layers", "shared_expert_intermediate_size")
+
+
+def target_config(**fields) -> Qwen3Config:
+    """A Qwen3Config from flat fields, as the scripts write shapes: a hybrid's own (HYBRID_FIELDS) gathered into a
+    hybrid.HybridConfig, a MoE's (MOE_FIELDS) into a moe.MoEConfig; zero_centered_norm and attn_output_gate (on in
+    every hybrid) dropped."""
+    for key in ("zero_centered_norm", "attn_output_gate"):
+        fields.pop(key, None)
+    own = {k: fields.pop(k) for k in HYBRID_FIELDS if k in fields}
+    if own:
+        from hybrid import HybridConfig
+        fields["hybrid"] = HybridConfig(**own)
+    own = {k: fields.pop(k) for k in MOE_FIELDS if k in fields}
+    if own.get("num_experts"):
+        from moe import MoEConfig
+        fields["moe"] = MoEConfig(**own)
+    return Qwen3Config(**fields)
+
+
 def build_target(shape: dict, device, dtype, seed: int = 0, std: float = 0.02) -> Qwen3:
-    """A random target of the Qwen3Config fields `shape`, built in `dtype` on the device."""
-    c = Qwen3Config(**shape)
-    target = materialize(lambda: Qwen3(c), device, dtype)
+    """A random target of the (flat) Qwen3Config fields `shape`, built in `dtype` on the device."""
+    c = target_config(**shape)
+    target = materialize(lambda: families.build(Qwen3, c), device, dtype)
     if c.tie_word_embeddings:  # to_empty gives each module a tensor of its own
         target.lm_head.weight = target.embed_tokens.weight
-    fill_random(target, seed, std, c.zero_centered_norm)
+    fill_random(target, seed, std, c.hybrid is not None)
     target.inv_freq = rope_frequencies(c, device)[0]  # float32, as loading makes it
     return target.eval()
 

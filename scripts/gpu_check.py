@@ -476,7 +476,7 @@ def step_bytes(target: Qwen3, context: int) -> dict:
     table_bytes = 0 if target.config.tie_word_embeddings else table.numel() * table.element_size()
     weights += table.shape[1] * table.element_size() - table_bytes
     kv = sum(c.shape[1] * context * c.shape[3] * c.element_size() for c in target.kv_caches())
-    states = 2 * sum(s[:1].numel() * s.element_size() for s in target.state_tensors())
+    states = 2 * sum(s[:1].numel() * s.element_size() for s in (target.state_tensors() if target.recurrent else ()))
     total = weights + kv + states
     return dict(weights=weights, kv=kv, states=states, total=total,
                 total_with_table=total + table_bytes - table.shape[1] * table.element_size() * bool(table_bytes))

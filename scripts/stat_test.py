@@ -67,6 +67,7 @@ from checkpoints import (dflash_config, hybrid_text_config, moe_config, qwen3_co
                          save_hybrid)
 from ddtree import finite_rows, generate, generate_batch  # noqa: E402
 from drafter import DFlashDrafter  # noqa: E402
+from hybrid import Qwen3_5  # noqa: E402
 from model import Qwen3  # noqa: E402
 from sampler import Sampling, sample, warp_probs  # noqa: E402
 from tree_attn import PrefixMask  # noqa: E402
@@ -412,11 +413,11 @@ def _draw_noise_shared(shape, generator, device):
     return u.expand(shape).contiguous()
 
 
-_commit_recurrent = Qwen3.commit_recurrent
+_commit_recurrent = Qwen3_5.commit_recurrent
 
 
 def _commit_recurrent_root_only(self, recurrent, path, length):
-    """Qwen3.commit_recurrent with the bug: the recurrent (and conv) states advance over the path's root only,
+    """hybrid.Qwen3_5.commit_recurrent with the bug: the recurrent (and conv) states advance over the path's root only,
     as if no draft had been accepted; the attention layers' K/V still hold the whole path."""
     return _commit_recurrent(self, recurrent, path, length.clamp(max=1))  # BUG: length
 
@@ -478,7 +479,7 @@ def planted(control: str, method: str, draft_sampling: bool):
                "own_row": [(ddtree, "walk_tree", _walk_tree_own_row)],
                "unwarped": [(ddtree.Engine, "pick", _pick_unwarped)],
                "shared_noise": [(ddtree, "draw_noise", _draw_noise_shared)],
-               "stale_commit": [(Qwen3, "commit_recurrent", _commit_recurrent_root_only)],
+               "stale_commit": [(Qwen3_5, "commit_recurrent", _commit_recurrent_root_only)],
                "window_slots": [(gemma4, "sliding_block_mask", _sliding_mask_in_slots)]}[control]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:

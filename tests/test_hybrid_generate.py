@@ -251,12 +251,16 @@ def test_bf16_hybrid_moe_ddtree_equals_ar(tmp_path, one_thread):
 
 
 class OnlyTarget:
-    """A target that shows the engine only the members ddtree.Target lists: any other is an AttributeError."""
+    """A target that shows the engine only the members ddtree.Target lists, and a recurrent model's `recurrent` and
+    hooks (settings.RECURRENT_HOOKS): any other is an AttributeError."""
 
     def __init__(self, model):
         import ddtree
+        import settings
         self.model = model
         self.members = {n for n in [*vars(ddtree.Target), *ddtree.Target.__annotations__] if not n.startswith("_")}
+        if model.recurrent:
+            self.members |= {"recurrent", *settings.RECURRENT_HOOKS}
 
     def __getattr__(self, name):
         if name not in self.members:

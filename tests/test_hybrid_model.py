@@ -191,7 +191,7 @@ def test_prefill_and_decode_equal_transformers(ckpt, name, dtype):
     path, hf = ckpt(name)
     m = load(path, dtype)
     assert m.recurrent and m.dtype == dtype
-    kinds = [layer.recurrent for layer in m.layers]
+    kinds = [hasattr(layer, "linear_attn") for layer in m.layers]
     assert kinds == [t == "linear_attention" for t in hf.config.layer_types] and any(kinds) and not all(kinds)
     if hf.config.tie_word_embeddings:
         assert m.lm_head.weight is m.embed_tokens.weight
@@ -256,7 +256,7 @@ def test_tree_rows_and_commit_equal_transformers(ckpt, name, dtype):
     with torch.no_grad():
         logits, _ = m(rows, positions, slots, mask.set(start, anc), recurrent=tree)
     assert all(torch.equal(a, b) for a, b in zip(before, m.state_tensors()))  # a verify commits nothing
-    assert sorted(tree.pending) == [i for i, layer in enumerate(m.layers) if layer.recurrent]
+    assert sorted(tree.pending) == [i for i, layer in enumerate(m.layers) if hasattr(layer, "linear_attn")]
     worst = 0.0
     for n in range(N):
         for i in range(B + 1):
@@ -485,7 +485,7 @@ def test_recurrent_layers_compiled_once_as_one_region(ckpt, monkeypatch):
                  if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
         return logits, [c.args[0].target for c in calls], [t.clone() for t in m.state_tensors()]
 
-    kinds = len({layer.recurrent for layer in m.layers})
+    kinds = len({hasattr(layer, "linear_attn") for layer in m.layers})
     logits, bodies, states = compiled()
     assert len(bodies) == 2 * len(m.layers) and len(set(bodies)) == 2 * kinds  # chain and tree bodies per kind
     monkeypatch.setattr(model_mod, "COMPILE_LAYERS_ONCE", False)

@@ -755,3 +755,30 @@ def test_config_fields_that_do_not_change_the_math_load(broken):
                                               sliding_window=4096, max_window_layers=2, attention_dropout=0.0,
                                               initializer_range=0.02, use_cache=True))
     Qwen3.from_pretrained(broken, device="cpu")
+
+
+# The dense core applies no family (docs/recurrent_tree.md, "Hooks"; families.py): a dense checkpoint loads and runs
+# without importing a family's module, and the dense target has none of the recurrent hooks the engine would call.
+FAMILY_MODULES = {"hybrid", "gated_delta", "moe", "rope", "tp"}
+DENSE_RUN = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from model import Qwen3
+from tree_attn import PrefixMask
+m = Qwen3.from_pretrained(sys.argv[2], device="cpu")
+m.setup_cache(128)
+mask = PrefixMask(4, 128, "cpu").set(torch.zeros(1, dtype=torch.long))
+with torch.no_grad():
+    m(torch.arange(4)[None], torch.arange(4)[None], torch.arange(4)[None], mask)
+print(sorted(set(sys.modules) & set(sys.argv[3].split(","))))
+"""
+
+
+def test_a_dense_target_loads_and_runs_without_a_family_module(ckpt):
+    import settings
+    assert Qwen3.recurrent is False and not [h for h in settings.RECURRENT_HOOKS if hasattr(Qwen3, h)]
+    out = subprocess.run([sys.executable, "-c", DENSE_RUN, REPO_ROOT, ckpt("config_v5")[0], ",".join(FAMILY_MODULES)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[]", out.stdout

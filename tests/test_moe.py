@@ -84,7 +84,7 @@ def test_logits_match_transformers(checkpoints, name):
         assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
     m = Qwen3.from_pretrained(path, device="cpu")
     c = m.config
-    assert c.num_experts == hf.config.num_experts and c.mlp_only_layers == tuple(hf.config.mlp_only_layers)
+    assert c.moe.num_experts == hf.config.num_experts and c.moe.mlp_only_layers == tuple(hf.config.mlp_only_layers)
     assert [isinstance(layer.mlp, SparseMoE) for layer in m.layers] == \
         [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers]
     m.setup_cache(256)
