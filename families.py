@@ -37,7 +37,8 @@ def is_moe(d: dict, moe: bool | None = None) -> bool:
 
 def other_loader(d: dict, where: str):
     """The from_pretrained(path, device, dtype) of another family's own target class when config.json names one;
-    None for the Qwen3 families, which Qwen3.from_pretrained builds; an error for anything else."""
+    None for the Qwen3 families, which Qwen3.from_pretrained builds; an error for anything else. A family with a
+    target class of its own is recognized here, from config.json alone, and its module imported only then."""
     model_type, archs = d.get("model_type"), d.get("architectures") or []
     if hybrid_kind(d) or model_type in ("qwen3", "qwen3_moe") or \
             {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(archs):

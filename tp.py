@@ -3,11 +3,12 @@
     torchrun --nproc-per-node 8 ddtree.py --target Qwen/Qwen3.5-122B-A10B --draft z-lab/Qwen3.5-122B-A10B-DFlash ...
     python tp.py --nproc-per-node 8 ddtree.py ...    # the same launch, ending as one process does (launch())
 
-Launched by torchrun (WORLD_SIZE > 1 in the environment), Qwen3.from_pretrained joins the process group (gloo on the
-CPU, nccl on CUDA, one GPU per local rank) and gives every rank its shard of the target, in the manner of gpt-fast's
-tp.py: the modules are resized on the meta device before loading, each rank reads only its rows or columns of each
-tensor from the safetensors files (slices, never the whole tensor), and a forward hook all-reduces each sublayer's
-output. The model files keep their code; only sizes change:
+Launched by torchrun (WORLD_SIZE > 1 in the environment), Qwen3.from_pretrained joins the process group through
+families.parallel_device, the only importer of this module on the load path (gloo on the CPU, nccl on CUDA, one GPU
+per local rank), and gives every rank its shard of the target, in the manner of gpt-fast's tp.py: the modules are
+resized on the meta device before loading, each rank reads only its rows or columns of each tensor from the
+safetensors files (slices, never the whole tensor), and a forward hook all-reduces each sublayer's output. The model
+files keep their code; only sizes change:
 
 - attention by heads: q_proj rows (Qwen3.5's gated q_proj keeps each head's query and gate, which are adjacent) and
   the o_proj columns of this rank's heads; k_proj / v_proj by KV head, or, with fewer KV heads than ranks, the one KV
