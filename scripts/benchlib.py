@@ -593,7 +593,8 @@ def build_drafter(target: Qwen3, block: int, layers: int, seed: int = 1, std: fl
     t = target.config
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
-    shape = {k: getattr(t, k) for k in keys} | (model or {})
+    model = model or {}
+    shape = {k: getattr(t, k) for k in keys if k not in model} | model  # a family's config may lack some
     config = Qwen3Config(**shape, num_hidden_layers=layers, tie_word_embeddings=False)
     if ids is None:
         ids = [1, 9, 17, 25, 33] if t.num_hidden_layers == 36 else list(range(min(3, t.num_hidden_layers)))

@@ -26,9 +26,12 @@ Parts (docs/benchmarks.md, "gpu_check", says what each measures):
   dflash2-profile  a DDTree round over a DFlash 2 drafter of Qwen3.8-27B-DFlash2's shapes on the 27B slice: stages
   prefill        prompts of 8K and 32K tokens through the compiled prefill on the 8B target and the 27B slice
   flex           compiled FlexAttention under the engine's masks against SDPA at G = 4, 6 (head 256) and 8
+  gemma4-31b     12 layers of gemma-4-31B (10 sliding, 2 full of heads 512 whose values are their keys), random
+                 bf16, with a drafter of z-lab's gemma-4-31B-it-DFlash shapes: AR step against its floor, a B = 64
+                 round over it
 
 Without --parts a device call answers the speed question: ar-profile, round-profile, projection (the first call);
-then, only if they fit before the deadline, verify-curve, hybrid-slice, dflash2-profile, prefill and flex (not
+then, only if they fit before the deadline, gemma4-31b, verify-curve, hybrid-slice, dflash2-profile, prefill and flex (not
 requested, so their being skipped is no failure). --second-call runs the correctness smokes (pair-smoke,
 hybrid-tiny: whether the engine is right on the device) and hybrid-rule (no compile: how the recurrent layers can
 be captured). With --small every part runs and is requested.
@@ -66,12 +69,13 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-from benchlib import (build_drafter, build_target, copy_bandwidth, cpu_name, keep, kernel_table,  # noqa: E402
-                      per_call_ms, pipelined_ms, random_tokens, stepped_round, sync, transformers_step_ms,
-                      transformers_twin, tree_verify, write_json)
+from benchlib import (build_drafter, build_target, copy_bandwidth, cpu_name, fill_random, keep,  # noqa: E402
+                      kernel_table, materialize, per_call_ms, pipelined_ms, random_tokens, stepped_round, sync,
+                      transformers_step_ms, transformers_twin, tree_verify, write_json)
 import compiling  # noqa: E402
 import ddtree  # noqa: E402
 import gated_delta  # noqa: E402
+import gemma4  # noqa: E402
 from ddtree import Engine, Speculation, cache_length, generate, generate_batch, prefill_chunk  # noqa: E402
 from dflash2 import DFlash2Drafter, Lattice  # noqa: E402
 from draft_tree import ancestor_matrix  # noqa: E402
@@ -121,6 +125,26 @@ DFLASH2_27B = dict(block=8, layers=5, ids=[0, 1, 2, 3], conv_kernel_size=2, conv
 SMALL_DFLASH2 = dict(DFLASH2_27B, layers=2, attention=((64, False),) * 2, selector_rank=32, selector_top_k=8,
                      model=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768))
 DFLASH2_ASSUMED = ["num_hidden_layers", "intermediate_size"]
+# google/gemma-4-31B-it's text config (docs/checkpoints.md, "Gemma 4"): 60 layers, 5 sliding (window 1024, 16 K/V
+# heads of 256) to 1 full (4 K/V heads of 512 whose values are its keys), tied embeddings of 262,144. A slice of 12
+# layers keeps the pattern (10 sliding, 2 full) and fits any lent GPU beside the 8B pair.
+GEMMA4_31B = dict(model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504,
+                  num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16, head_dim=256,
+                  global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024,
+                  final_logit_softcapping=30.0, max_position_embeddings=262144, tie_word_embeddings=True)
+GEMMA4_SLICE = dict(GEMMA4_31B, num_hidden_layers=12)
+SMALL_GEMMA4 = dict(GEMMA4_SLICE, vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                    num_global_key_value_heads=1, sliding_window=256)
+# z-lab/gemma-4-31B-it-DFlash's config as public material quotes it: 5 Qwen3-style layers of 64 / 8 heads of 128, an
+# MLP of 10752, RoPE theta 1e6, block 16, four causal sliding layers (window 2048) and a full one, softcap 30; it
+# reads six target layers (1, 12, 23, 35, 46, 57 of 60; of the slice, six spread alike).
+GEMMA4_DRAFTER = dict(block=16, layers=5, attention=((2048, True),) * 4 + ((None, False),), logit_softcap=30.0,
+                      model=dict(num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=10752,
+                                 rope_theta=1e6))
+SMALL_GEMMA4_DRAFTER = dict(GEMMA4_DRAFTER, layers=2, attention=((64, True), (None, False)),
+                            model=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768,
+                                       rope_theta=1e6))
 PREFILL_LENGTHS = (8192, 32768)  # --small: (1024, 2048)
 CONTEXT = 512  # committed tokens before every timed step, round and verify
 
@@ -476,7 +500,8 @@ def step_bytes(target: Qwen3, context: int) -> dict:
     table_bytes = 0 if target.config.tie_word_embeddings else table.numel() * table.element_size()
     weights += table.shape[1] * table.element_size() - table_bytes
     kv = sum(c.shape[1] * context * c.shape[3] * c.element_size() for c in target.kv_caches())
-    states = 2 * sum(s[:1].numel() * s.element_size() for s in (target.state_tensors() if target.recurrent else ()))
+    states = 2 * sum(s[:1].numel() * s.element_size()
+                     for s in (target.state_tensors() if getattr(target, "recurrent", False) else ()))
     total = weights + kv + states
     return dict(weights=weights, kv=kv, states=states, total=total,
                 total_with_table=total + table_bytes - table.shape[1] * table.element_size() * bool(table_bytes))
@@ -791,6 +816,59 @@ def hybrid_slice(run, out):
                 f"step), extra peak {rec['extra_peak_gb']} GB")
 
 
+def build_gemma4(shape: dict, device, dtype, seed: int = 0, std: float = 0.02) -> gemma4.Gemma4:
+    """A random Gemma 4 target of the config.json fields `shape` in `dtype` on the device (norms 1, layer scalars
+    1, the head tied to the embeddings as the 31B's)."""
+    config = gemma4.gemma4_config(shape, "gpu_check")
+    target = materialize(lambda: gemma4.Gemma4(config), device, dtype)
+    if config.tie_word_embeddings:  # to_empty gives each module a tensor of its own
+        target.lm_head.weight = target.embed_tokens.weight
+    fill_random(target, seed, std, False)
+    with torch.no_grad():
+        for layer in target.layers:
+            layer.layer_scalar.fill_(1.0)
+    target.inv_freq = gemma4.inv_freqs(config, device)
+    return target.eval()
+
+
+def gemma4_round(run, target, drafter, budget: int, ar: dict) -> dict:
+    """A DDTree round at `budget` after CONTEXT tokens, compiled whole as the engine compiles it (Engine.round):
+    pipelined and per call, over the target's AR step `ar`."""
+    spec = Speculation(budget=budget)
+    engine = Engine(target, drafter, "ddtree", Sampling(), spec, cache_length(CONTEXT, 64, "ddtree", spec, drafter),
+                    compile=run.compile)
+    engine.prefill_step = Engine.prefill_step.__get__(engine)  # the prefill only fills the caches: eager
+    engine.start([random_tokens(CONTEXT, target.config.vocab_size)], [0])
+    whole = stepped_round(engine, engine.requests.token, engine.requests.position, None, None, None)
+    run.first_calls("round", whole)
+    rec = dict(round_ms=pipelined_ms(whole, run.device, run.back_to_back),
+               round_per_call_ms=per_call_ms(whole, run.device, run.repeats))
+    rec["round_over_ar"] = rec["round_ms"] / ar["pipelined_ms"]
+    run.say(f"  B={budget}: round {rec['round_ms']:.3f} ms pipelined, {rec['round_per_call_ms']:.3f} per call; "
+            f"{rec['round_over_ar']:.2f}x the AR step")
+    return rec
+
+
+def gemma4_31b(run, out):
+    """12 layers of gemma-4-31B (--small: small Gemma 4 shapes) in the run's dtype, the models of earlier parts
+    freed first: the AR step against its floor, and a B = 64 round (--round-budgets) with a random drafter of
+    z-lab's gemma-4-31B-it-DFlash shapes (nothing is accepted: cost, not tau)."""
+    run.models.clear()
+    run.forget()
+    shape, d = (SMALL_GEMMA4, SMALL_GEMMA4_DRAFTER) if run.a.small else (GEMMA4_SLICE, GEMMA4_DRAFTER)
+    target = build_gemma4(shape, run.device, run.dtype)
+    layers = shape["num_hidden_layers"]
+    ids = [round(i * (layers - 1) / 5) for i in range(6)]  # six taps spread over the layers, as the drafter's
+    drafter = build_drafter(target, block=d["block"], layers=d["layers"], ids=ids, model=d["model"],
+                            attention=d["attention"], logit_softcap=d["logit_softcap"])
+    out["layers"], out["drafter_target_layer_ids"] = layers, ids
+    out["weights_gb"] = sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9
+    out["kv_bytes_per_token"] = memory_per_token(target)["target_kv"]
+    out["ar"] = ar = ar_step(run, target, profile=False)
+    for budget in run.a.round_budgets:
+        out[budget] = gemma4_round(run, target, drafter, budget, ar)
+
+
 def dflash2_profile(run, out):
     """A DDTree round (round_stages, at --round-budgets) over a random DFlash 2 drafter of Qwen3.8-27B-DFlash2's
     shapes (--small: small ones) on the 27B slice: the draft (block, convolutions, selector) and tree (the lattice's
@@ -930,13 +1008,15 @@ PARTS = {  # in the order --small runs them: the device calls' order
                                                     dict(ar=2, tiny=3, round=1).items()}, (30, 10), NOTHING),
     "prefill": (prefill, lambda p: dict(ar=2 if p.cuda else 0), (40, 20), NOTHING),
     "flex": (flex, lambda p: dict(tiny=len(SMALL_FLEX_CASES if p.a.small else FLEX_CASES)), (20, 20), NOTHING),
+    # gemma4-31b: the AR step's graph and a whole round per budget; besides, building 15 GB of random weights
+    "gemma4-31b": (gemma4_31b, lambda p: dict(ar=1, round=len(p.a.round_budgets)), (30, 10), NOTHING),
 }
 # The first call answers the speed question; the second checks the engine's tokens on the device and how the
 # recurrent layers' tree rule can be captured (docs/benchmarks.md, "gpu_check").
 FIRST_PARTS = ["ar-profile", "round-profile", "projection"]
 SECOND_PARTS = ["pair-smoke", "hybrid-tiny", "hybrid-rule"]
 SECOND_DEADLINE = 250.0
-IF_TIME_REMAINS = ["verify-curve", "hybrid-slice", "dflash2-profile", "prefill", "flex"]
+IF_TIME_REMAINS = ["gemma4-31b", "verify-curve", "hybrid-slice", "dflash2-profile", "prefill", "flex"]
 DEADLINE = 450.0  # the first call's: its command runs under timeout_s 510, the second's under 280
 
 
@@ -1029,6 +1109,10 @@ FIGURES = {
     "hybrid-slice": lambda r: dict(ar_ms=r["ar"]["pipelined_ms"], over_floor=r["ar"]["pipelined_over_floor"],
                                    verify_ms={k: v["ms"] for k, v in r.items() if k.startswith("verify")}),
     "dflash2-profile": round_figures,
+    "gemma4-31b": lambda r: dict(ar_ms=r["ar"]["pipelined_ms"], floor_ms=r["ar"]["floor_ms"],
+                                 over_floor=r["ar"]["pipelined_over_floor"],
+                                 rounds={b: dict(round_ms=v["round_ms"], over_ar=v["round_over_ar"])
+                                         for b, v in r.items() if isinstance(v, dict) and "round_ms" in v}),
     "prefill": lambda r: {m: {n: v["tokens_per_s"] for n, v in rec.items() if isinstance(v, dict) and
                               "tokens_per_s" in v} for m, rec in r.items()},
     "flex": lambda r: dict(worst=max((v.get("max_diff") or 0.0) for v in r.values()),

@@ -30,7 +30,7 @@ def gpu_check(tmp_path, *args):
 
 def test_named_parts_run_in_order_and_report_their_measures(tmp_path):
     parts = ["verify-curve", "hybrid-rule", "round-profile", "ar-profile", "projection", "dflash2-profile",
-             "prefill"]
+             "prefill", "gemma4-31b"]
     code, stdout, stderr, result = gpu_check(tmp_path, "--eager", "--parts", *parts, "--verify-budgets", "4",
                                              "--repeats", "2")
     assert code == 0, stdout[-3000:] + stderr[-3000:]
@@ -64,6 +64,10 @@ def test_named_parts_run_in_order_and_report_their_measures(tmp_path):
         rec = result["parts"]["prefill"]["result"][name]
         assert set(rec) == {"chunk", "bytes_per_token", "1024", "2048"} and rec["bytes_per_token"]["target_kv"] > 0
         assert all(rec[n]["tokens_per_s"] == int(n) / rec[n]["seconds"] > 0 for n in ("1024", "2048"))
+    gemma = result["parts"]["gemma4-31b"]["result"]  # sliding and full layers' own K/V, a drafter of z-lab's shapes
+    assert gemma["ar"]["floor_ms"] > 0 and gemma["64"]["round_over_ar"] == gemma["64"]["round_ms"] / \
+        gemma["ar"]["pipelined_ms"] > 0
+    assert gemma["kv_bytes_per_token"] == (5 * 2 * 64 + 1 * 1 * 128) * 2 * 4  # float32 on the CPU
     # the last line: the summary, short, the JSON's own, with every part's figures
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("summary: ") and len(last) < 4000, last[:200]
