@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from loading import (check_layer_count, check_pair, dflash_architecture, dflash_config_fields, load_weights,
+from loading import (check_layer_count, check_pair, dflash_config_fields, load_weights,
                      on_meta, parse_device, parse_dtype, read_json, resolve_checkpoint)
 import families
 from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, compute_dtype, rope_cos_sin,
@@ -175,9 +175,9 @@ class DFlashDrafter(nn.Module):
         path = resolve_checkpoint(path_or_repo, "drafter")
         where = os.path.join(path, "config.json")
         d = read_json(where)
-        if cls is DFlashDrafter and dflash_architecture(d, where) == "DFlash2DraftModel":
-            import dflash2  # DFlash 2's own module, imported for its checkpoints alone
-            return dflash2.DFlash2Drafter.from_pretrained(path, device, dtype)
+        family = families.drafter_class(d, where, DFlashDrafter)  # DFlash 2: its own module's class
+        if family is not cls:
+            return family.from_pretrained(path, device, dtype)
         config = cls.config_type.from_dict(d, where)
         check_layer_count(path, config.model.num_hidden_layers, where)
         # under torchrun: this rank's GPU (the drafter is replicated)

@@ -7,10 +7,18 @@ RoPE scaling (rope.py: the frequencies and attention factor), tensor parallel (t
 slices). Each module is imported only when a config or the environment needs it; none is imported by the core.
 """
 
+import importlib
 import os
 import warnings
 
-from loading import dense_fields, plain_rope_given, text_config
+from loading import dense_fields, dflash_architecture, plain_rope_given, text_config
+
+
+def family(name: str):
+    """The family module `name`, imported now that a config or the environment asks for it. By name: a family
+    module imports the core it builds on, and the core reaches it only through this hand-over, so no import
+    statement leads from the core back to a family (scripts/core_size.py lists these hand-overs apart)."""
+    return importlib.import_module(name)
 
 
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -40,11 +48,21 @@ def other_loader(d: dict, where: str):
     None for the Qwen3 families, which Qwen3.from_pretrained builds; an error for anything else. A family with a
     target class of its own is recognized here, from config.json alone, and its module imported only then."""
     model_type, archs = d.get("model_type"), d.get("architectures") or []
+    archs = archs if isinstance(archs, list) else []
     if hybrid_kind(d) or model_type in ("qwen3", "qwen3_moe") or \
             {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(archs):
         return None
-    raise ValueError(f"{where}: not a Qwen3 or Qwen3.5 checkpoint (model_type={model_type!r}, "
+    if model_type in ("gemma4", "gemma4_text") or {"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"} & set(archs):
+        return family("gemma4").from_pretrained
+    raise ValueError(f"{where}: not a Qwen3, Qwen3.5 or Gemma 4 checkpoint (model_type={model_type!r}, "
                      f"architectures={archs})")
+
+
+def drafter_class(d: dict, where: str, dense_class):
+    """The drafter class for a drafter's config.json: the core's DFlash drafter, or DFlash 2's (dflash2.py)."""
+    if dflash_architecture(d, where) == "DFlash2DraftModel":
+        return family("dflash2").DFlash2Drafter
+    return dense_class
 
 
 def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) -> dict:
@@ -52,11 +70,10 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
     family's own, read and checked by its module. moe: read the MoE fields (default: when the file says
     qwen3_moe)."""
     if hybrid_kind(d):
-        import hybrid
         text, text_where = text_config(d, where)
-        return hybrid.config_fields(text, text_where, hybrid_kind(text) or hybrid_kind(d), rope_reader(text))
+        return family("hybrid").config_fields(text, text_where, hybrid_kind(text) or hybrid_kind(d), rope_reader(text))
     if is_moe(d, moe):
-        import moe as moe_module
+        moe_module = family("moe")
         fields = dense_fields(d, where, "qwen3_moe", moe_module.DEFAULTS, rope_reader=rope_reader(d))
         return dict(fields, moe=moe_module.MoEConfig(**moe_module.moe_fields(d, where)))
     return dense_fields(d, where, "qwen3", rope_reader=rope_reader(d))
@@ -67,15 +84,13 @@ def rope_reader(d: dict):
     RoPE (loading.plain_rope_given), else None (plain RoPE, the core's)."""
     if plain_rope_given(d):
         return None
-    import rope
-    return rope.rope_fields
+    return family("rope").rope_fields
 
 
 def checkpoint_prefixes(d: dict) -> tuple[tuple, tuple]:
     """(prefixes stripped from tensor names, prefixes of tensors skipped) for a target's config."""
     if hybrid_kind(d):
-        import hybrid
-        return hybrid.CHECKPOINT_PREFIXES
+        return family("hybrid").CHECKPOINT_PREFIXES
     return ("model.",), ()
 
 
@@ -87,20 +102,17 @@ def build(dense_class, config):
         # moe.apply replaces: torch's warning that it cannot initialize them says nothing here.
         warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op")
         if config.hybrid is not None:
-            import hybrid
-            model = hybrid.Qwen3_5(config)
+            model = family("hybrid").Qwen3_5(config)
         else:
             model = dense_class(config)
     if config.moe is not None:
-        import moe
-        moe.apply(model, config.moe)
+        family("moe").apply(model, config.moe)
     return model
 
 
 def scaled_rope(config, device=None):
     """(inv_freq, attention factor) of a RoPE scaling (rope.rope_frequencies)."""
-    import rope
-    return rope.rope_frequencies(config, device)
+    return family("rope").rope_frequencies(config, device)
 
 
 def position_limit(config) -> tuple[int, str]:
@@ -108,8 +120,7 @@ def position_limit(config) -> tuple[int, str]:
     max_position_embeddings, or the longer window a RoPE scaling is for (rope.position_limit)."""
     if config.rope_scaling["rope_type"] == "default":
         return config.max_position_embeddings, "the target's max_position_embeddings"
-    import rope
-    return rope.position_limit(config)
+    return family("rope").position_limit(config)
 
 
 def parallel() -> bool:
@@ -122,7 +133,7 @@ def parallel_device(device):
     loading.load_weights, or None): under torchrun tensor parallel (tp.py), else (device, None)."""
     if not parallel():
         return device, None
-    import tp
+    tp = family("tp")
     if not tp.enabled():
         return device, None
     return tp.setup(device), tp.taker

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gemma4
+from model import Qwen3
 from conftest import float64_kept
 from drafter import DFlashDrafter
 from ddtree import generate
@@ -68,7 +69,8 @@ def pair(request, tmp_path_factory):
     """(transformers' model, ours) of one layout."""
     path = str(tmp_path_factory.mktemp(f"gemma4-{request.param}"))
     hf = write_target(path, request.param)
-    ours = gemma4.from_pretrained(path, device="cpu", dtype=torch.float64)
+    ours = Qwen3.from_pretrained(path, device="cpu", dtype=torch.float64)  # the public loader hands it over
+    assert isinstance(ours, gemma4.Gemma4)
     assert ours.eos_ids == []  # runs as long as asked, as transformers' greedy
     return hf, ours
 
