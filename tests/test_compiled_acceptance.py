@@ -1,9 +1,11 @@
 """Compiled engines draft what eager engines draft: on the bundled pair (assets/, a trained drafter, so drafts are
 accepted), every engine compiled with compile=True accepts the eager engine's tokens round for round
-(stats["accepted"] equal), at several budgets, on the chain and on ar. The target's verify keeps the tokens right
+(stats["accepted"] equal), at budgets 4 and 64 and on the chain (the whole matrix: below). The target's verify keeps the tokens right
 whatever a drafter or tree builder proposes, so a compiled path that drafts differently from eager only costs
 speed, and comparing tokens alone does not see it (docs/compile.md, "Compiled engines accept what eager accepts").
 Each compiled engine is built once (generate() keeps engines per models and settings) on the module's models."""
+
+import os
 
 import pytest
 
@@ -45,11 +47,17 @@ def run(bundled, method, budget, compile):
                      max_new_tokens=NEW_TOKENS, stop_ids=[], compile=compile) for p in prompts]
 
 
-# Every setting compiled. max-autotune (frozen, autotuned graphs: one to three minutes of compiling each here) is
-# checked the same way, round for round, by test_speculative's max-autotune test at B = 3 (conftest's
-# compiled_equals_eager compares stats["accepted"]): a few-row context append, where inductor's own GEMM template wins
-# on the CPU (docs/compile.md, "Weight views in frozen graphs").
-CASES = [(method, budget, True) for method, budget in SETTINGS]
+# The suite compiles the extremes of the tree's size and the chain (compile=True). The whole matrix, budget 16 and
+# ar added, each setting compiled with compile=True and with "max-autotune" (frozen, autotuned graphs: one to three
+# minutes of compiling each here), is a separate run: DDTREE_ACCEPTANCE_MATRIX=full python -m pytest -n 0
+# tests/test_compiled_acceptance.py (docs/compile.md). In the suite, max-autotune is checked the same way, round for
+# round, by test_speculative's max-autotune test at B = 3 (conftest's compiled_equals_eager compares
+# stats["accepted"]): a few-row context append, where inductor's own GEMM template wins on the CPU (docs/compile.md,
+# "Weight views in frozen graphs"); ar's compiled tokens by test_generate's compiled test.
+SUITE_SETTINGS = (("ddtree", 4), ("ddtree", 64), ("dflash", None))
+FULL = os.environ.get("DDTREE_ACCEPTANCE_MATRIX") == "full"
+CASES = ([(method, budget, mode) for mode in (True, "max-autotune") for method, budget in SETTINGS] if FULL
+         else [(method, budget, True) for method, budget in SUITE_SETTINGS])
 
 
 @pytest.mark.parametrize("method,budget,compile", CASES)
