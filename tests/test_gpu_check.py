@@ -99,32 +99,42 @@ def test_a_part_priced_past_the_deadline_is_skipped(tmp_path):
     assert part["status"] == "skipped" and "deadline" in part["why"] and "seconds" not in part
 
 
-def test_bad_arguments_are_one_error_line(tmp_path):
-    cases = [(["--device", "tpu"], "tpu"), (["--parts", "nope"], "nope"),
-             (["--repeats", "0"], "--repeats must be at least 1")]  # not taken for "the default"
+def in_process(args, capsys):
+    """(exit status, stdout, stderr) of the script's main() in this process: its argument checks and --plan import
+    nothing more and run nothing, so a process of their own would only add its imports."""
+    try:
+        code = script.main(args)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bad_arguments_are_one_error_line(capsys):
+    proc = subprocess.run([sys.executable, SCRIPT, "--device", "tpu"], capture_output=True, text=True, timeout=120)
+    assert_one_error_line(proc.returncode, proc.stderr, "tpu")  # as a command
+    cases = [(["--parts", "nope"], "nope"), (["--repeats", "0"], "--repeats must be at least 1")]  # not the default
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "no such CUDA device"))
     for args, message in cases:
-        proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120)
-        assert_one_error_line(proc.returncode, proc.stderr, message)
+        code, _, err = in_process(args, capsys)
+        assert_one_error_line(code, err, message)
 
 
-def test_the_documented_calls_fit_their_deadlines_and_one_that_does_not_is_named():
+def test_the_documented_calls_fit_their_deadlines_and_one_that_does_not_is_named(capsys):
     """--plan prices the first device call (the speed parts) and the second (the smokes) from the default seconds
     per graph, without a device; each ends before its deadline with a margin. Too short a deadline names the
     requested parts that would be skipped, exit 1."""
     for args, parts in ([], script.FIRST_PARTS), (["--second-call"], script.SECOND_PARTS):
-        proc = subprocess.run([sys.executable, SCRIPT, "--plan", *args], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        lines = proc.stdout.splitlines()
+        code, out, err = in_process(["--plan", *args], capsys)
+        assert code == 0, out + err
+        lines = out.splitlines()
         assert [line.split()[0] for line in lines[1:1 + len(parts)]] == parts
         assert all("ends at" in line for line in lines[1:1 + len(parts)])
         end, margin = (float(w) for w in lines[-1].split()[4:7:2])
         assert end + margin == float(lines[0].split("--deadline ")[1].split()[0]) and margin >= 0.05 * end, lines[-1]
-    proc = subprocess.run([sys.executable, SCRIPT, "--plan", "--deadline", "200"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == "requested parts past --deadline: round-profile " \
-                                                                    "projection", proc.stdout
+    code, out, _ = in_process(["--plan", "--deadline", "200"], capsys)
+    assert code == 1 and out.splitlines()[-1] == "requested parts past --deadline: round-profile projection", out
 
 
 def test_stage_marks_leave_generation_tracking_as_it_was():
