@@ -36,6 +36,15 @@ def small_grid(monkeypatch):
     monkeypatch.setattr(budget, "AUTO_BUDGETS", GRID)
 
 
+@pytest.fixture
+def two_passes(monkeypatch):
+    """Calibrations of two passes over the candidates, however busy the machine: for the tests of what surrounds a
+    calibration (its cache file, the command line's report), whose passes test_calibration_keeps_each_candidates_
+    quietest_pass tests."""
+    monkeypatch.setattr(budget, "CALIBRATE_PASSES", 2)
+    monkeypatch.setattr(budget, "CALIBRATE_MAX_PASSES", 2)
+
+
 def forced(schedule):
     """AutoBudget.choose replaced by a fixed cycle of candidates, carried on across runs and batches, so that every
     switch (to and from plain decoding, the chain and each tree) happens mid-request."""
@@ -147,7 +156,8 @@ def test_calibration_is_cached_and_reused(pair, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("contents", ["[]", "null", '"costs"', "7", "ZERO", "NEGATIVE", "STRING", "LIST", "AR_NULL",
                                       "NO_TIMES"])
-def test_a_cost_cache_that_cannot_be_used_is_ignored_with_one_warning(pair, monkeypatch, tmp_path, contents):
+def test_a_cost_cache_that_cannot_be_used_is_ignored_with_one_warning(pair, monkeypatch, tmp_path, contents,
+                                                                       two_passes):
     # Whatever the file holds, the run goes on: one warning naming the file, a new calibration, the file replaced.
     target, drafter = pair
     monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path))
@@ -179,7 +189,8 @@ def test_a_cost_cache_that_cannot_be_used_is_ignored_with_one_warning(pair, monk
 
 @pytest.mark.parametrize("where", ["costs.json is a directory", "costs.json is a FIFO", "cache dir is a file",
                                    "cache dir is read-only"])
-def test_an_unwritable_cost_cache_keeps_the_calibration_and_generates(pair, monkeypatch, tmp_path, where):
+def test_an_unwritable_cost_cache_keeps_the_calibration_and_generates(pair, monkeypatch, tmp_path, where,
+                                                                        two_passes):
     target, drafter = pair
     root = tmp_path / "cache"
     if where == "costs.json is a directory":
@@ -392,7 +403,7 @@ def test_bad_budget_values(pair):
     assert_one_error_line(code, err, "--recalibrate goes with --budget 'auto'")
 
 
-def test_cli_budget_auto_reports_its_choice(pair):
+def test_cli_budget_auto_reports_its_choice(pair, two_passes):
     code, out, err = cli("--prompt", "def f(x):", "--budget", "auto", "--max-new-tokens", "12", "--json")
     assert code == 0, err
     stats = json.loads(out)["stats"]
