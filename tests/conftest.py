@@ -33,6 +33,16 @@ def cost_cache(tmp_path_factory):
         os.environ["DDTREE_CACHE_DIR"] = before
 
 
+@pytest.fixture
+def two_passes(monkeypatch):
+    """Budget auto's calibrations take two passes over the candidates, however busy the machine: for the tests of
+    what surrounds a calibration (its cache file, reports, the runs after it), not of its passes
+    (test_budget.py::test_calibration_keeps_each_candidates_quietest_pass)."""
+    import budget
+    monkeypatch.setattr(budget, "CALIBRATE_PASSES", 2)
+    monkeypatch.setattr(budget, "CALIBRATE_MAX_PASSES", 2)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: intra-op threads only add OpenMP spin/wake overhead (eager flex_attention on 2 shared cores

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import batch as batching
-import budget
 import ddtree
 from batch import batch_bucket
 from conftest import PAIR_STOP, PAIR_VOCAB, HostReads, assert_one_error_line, cli, load_pair, write_random_pair
@@ -349,11 +348,8 @@ def test_prompts_file_lines_come_as_requests_end_and_ctrl_c_keeps_them(tmp_path,
 
 
 def test_eager_budget_auto_over_a_prompts_file_says_calibrating_and_reports_its_choice(tmp_path, monkeypatch,
-                                                                                         one_thread):
+                                                                                         one_thread, two_passes):
     monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path / "cache"))  # a calibration of its own
-    # two passes over the candidates, however busy the machine (what a calibration measures: test_budget.py)
-    monkeypatch.setattr(budget, "CALIBRATE_PASSES", 2)
-    monkeypatch.setattr(budget, "CALIBRATE_MAX_PASSES", 2)
     path = tmp_path / "prompts.jsonl"
     path.write_text('"def f(x):"\n"import os"\n')
     code, out, err = cli("--prompts-file", str(path), "--max-new-tokens", "6", "--no-chat", "--budget", "auto")

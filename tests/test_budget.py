@@ -36,15 +36,6 @@ def small_grid(monkeypatch):
     monkeypatch.setattr(budget, "AUTO_BUDGETS", GRID)
 
 
-@pytest.fixture
-def two_passes(monkeypatch):
-    """Calibrations of two passes over the candidates, however busy the machine: for the tests of what surrounds a
-    calibration (its cache file, the command line's report), whose passes test_calibration_keeps_each_candidates_
-    quietest_pass tests."""
-    monkeypatch.setattr(budget, "CALIBRATE_PASSES", 2)
-    monkeypatch.setattr(budget, "CALIBRATE_MAX_PASSES", 2)
-
-
 def forced(schedule):
     """AutoBudget.choose replaced by a fixed cycle of candidates, carried on across runs and batches, so that every
     switch (to and from plain decoding, the chain and each tree) happens mid-request."""

@@ -39,7 +39,7 @@ def test_methods_and_shrinking_batches_read_no_stale_output(pair, monkeypatch, m
     assert pool.poisoned > 0
 
 
-def test_budget_auto_switching_through_plain_decoding_reads_no_stale_output(pair, monkeypatch):
+def test_budget_auto_switching_through_plain_decoding_reads_no_stale_output(pair, monkeypatch, two_passes):
     target, drafter = pair
     monkeypatch.setattr(budget, "AUTO_BUDGETS", GRID)
     prompts = ragged_prompts(5, seed=3)
