@@ -2,9 +2,9 @@
 
 Greedy: every request of a batch gives exactly its lone run's tokens and per-round counts, for ar, dflash and
 ddtree, with ragged prompts (one longer than a prefill chunk), requests that stop early, and more requests than
-one batch holds. Seeded sampling: request i of a batch is the same sample as generate(seed=seeds[i]). Compiled
-batches equal eager ones, reuse their graphs and read the host once per round. The command line's
---prompts-file."""
+one batch holds. Seeded sampling: request i of a batch is the same sample as generate(seed=seeds[i]). The command
+line's --prompts-file. (Compiled batches, which equal eager ones, reuse their graphs and read the host once per
+round: test_speculative.py, beside the compiled engine whose graph serves their batch of one.)"""
 
 import json
 
@@ -14,7 +14,7 @@ import torch
 import batch as batching
 import ddtree
 from batch import batch_bucket
-from conftest import PAIR_STOP, PAIR_VOCAB, HostReads, assert_one_error_line, cli, load_pair, write_random_pair
+from conftest import PAIR_STOP, PAIR_VOCAB, assert_one_error_line, cli, load_pair, write_random_pair
 from ddtree import generate, generate_batch
 from budget import accepted_within
 from sampler import Sampling
@@ -122,29 +122,6 @@ def test_batch_shrinks_as_requests_end_and_each_request_stays_its_lone_run(pair,
     assert len({r.stats["rounds"] for r in lone}) > 2, "the requests did not end at different rounds"
     assert resumed and [b for b, _ in resumed] == sorted({b for b, _ in resumed}, reverse=True), resumed
     assert all(b == batch_bucket(n, 8) < 8 for b, n in resumed), resumed
-
-
-def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(tmp_path, one_thread, monkeypatch):
-    from torch._dynamo.utils import counters
-    resumed = moves(monkeypatch)
-    target, drafter = write_pair(tmp_path, target_layers=2, draft_layers=1)  # small graphs: compile time
-    run = lambda prompts, compile: generate_batch(target, drafter, prompts, method="ddtree", budget=6,
-                                                  max_new_tokens=16, stop_ids=[STOP], compile=compile)
-    # The same requests in another order: the batch shrinks the same way (2 -> 1 when one request ends), to the
-    # graph the first run compiled.
-    first = ragged_prompts(2, seed=3)
-    second = first[::-1]
-    eager = [[r.tokens for r in run(prompts, False)] for prompts in (first, second)]
-    assert [r.tokens for r in run(first, True)] == eager[0]
-    counters.clear()
-    resumed.clear()
-    with HostReads() as reads:
-        compiled = run(second, True)
-    assert [r.tokens for r in compiled] == eager[1]
-    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
-    assert [b for b, _ in resumed] == [1], "the compiled batch did not shrink"
-    # One read per round of the batch (the batch runs until its longest request ends) and one for the prefill.
-    assert reads.count == max(r.stats["rounds"] for r in compiled) + 1
 
 
 def test_one_verify_tells_what_every_smaller_budget_accepts(pair):

@@ -413,6 +413,32 @@ def test_compiled_engines_run_their_own_models(files, models, tmp_path, mode=Tru
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
 
 
+def test_compiled_batch_equals_eager_reuses_graphs_and_reads_once_per_round(models, monkeypatch):
+    # A compiled batch (each request's prefix and [N, q, q] matrix read by the mask inside the graph) gives eager's
+    # tokens. Run again with its requests in another order, it shrinks the same way (2 -> 1 when one request ends),
+    # to the graph the first run compiled, compiles nothing new and reads the host once per round of the batch. The
+    # settings are test_compiled_equals_eager's ddtree ones: a batch of one runs its graph.
+    from torch._dynamo.utils import counters
+    from test_batch import STOP, moves, ragged_prompts
+    target, drafters = models
+    resumed = moves(monkeypatch)
+    run = lambda prompts, compile: generate_batch(target, drafters[5], prompts, method="ddtree", budget=7,
+                                                  max_new_tokens=16, stop_ids=[STOP], compile=compile)
+    first = ragged_prompts(2, seed=3)
+    second = first[::-1]
+    eager = [[r.tokens for r in run(prompts, False)] for prompts in (first, second)]
+    assert [r.tokens for r in run(first, True)] == eager[0]
+    counters.clear()
+    resumed.clear()
+    with HostReads() as reads:
+        compiled = run(second, True)
+    assert [r.tokens for r in compiled] == eager[1]
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    assert [b for b, _ in resumed] == [1], "the compiled batch did not shrink"
+    # One read per round of the batch (the batch runs until its longest request ends) and one for the prefill.
+    assert reads.count == max(r.stats["rounds"] for r in compiled) + 1
+
+
 def test_guards_are_checked_at_each_runs_first_step(files, models, tmp_path, monkeypatch):
     # After a run's first step, a compiled engine's steps check only the guards that tell graphs apart
     # (Engine.step). Two targets with the same weights whose graphs differ only in a constant (the norms'
