@@ -183,7 +183,7 @@ def test_a_real_sized_vocabulary_through_its_support(tmp_path):
     assert out["real"]["ok"] and out["control"]["ok"], (out["real"]["p"], out["control"]["p"])
 
 
-def test_budget_auto_switching_mid_request_follows_the_target_law(pair, law):
+def test_budget_auto_switching_mid_request_follows_the_target_law(pair, law, two_passes):
     """budget auto, its candidates (plain decoding, the chain, trees of 2 and 5) switched round by round in a
     cycle that carries on across batches (stat_test.switching_auto), so samples see every kind of switch
     mid-request: the law holds, and the own_row control (tree rounds drawing the target's choice at the child's row)
