@@ -21,6 +21,25 @@ def pytest_configure(config):
                             "ignore:flex_attention called without torch.compile:UserWarning")
 
 
+# The files that take longest (compiling, processes of their own), longest first. The two workers (pytest.ini) take
+# whole files in collection order, each the next as it finishes one: a long file taken late would end the run alone
+# while the other worker idles, so these go first and the rest follow by their number of tests, many first
+# (pytest-xdist's own order, which pytest.ini turns off for this one).
+LONGEST_FIRST = ("test_speculative.py", "test_budget.py", "test_compiled_acceptance.py", "test_hybrid_generate.py",
+                 "test_tp.py", "test_generate.py", "test_stat.py", "test_bench_datasets.py", "test_gpu_check.py",
+                 "test_bench.py", "test_moe.py", "test_graph_pool.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files in LONGEST_FIRST's order, then the others by their number of tests, many first; within a file the
+    tests keep their order."""
+    counts = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], item.path.name))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cost_cache(tmp_path_factory):
     """Budget auto's calibrations (budget.cache_file) go to a temporary directory, not the user's ~/.cache."""
