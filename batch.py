@@ -1,11 +1,5 @@
-"""Many requests on one engine: the decoding loop, and a batch that shrinks as its requests end.
-
-ddtree.generate_batch runs its requests through `run`, in waves of up to max_batch: prefill, then one Engine.step
-per round until every request of the wave has ended. A request that ends stops emitting while its rows keep
-running (static shapes); once the running requests fit the next smaller power of two they move to an engine of
-that size (move_to_smaller), their cache rows, recurrent states and Requests with them. Each request draws from its own
-generator, so a batch gives every request its lone run's tokens (tests/test_batch.py).
-"""
+"""Many requests on one engine: the decoding loop, and a batch that shrinks as its requests end. Each request draws
+from its own generator, so a batch gives every request its lone run's tokens."""
 
 import time
 from dataclasses import dataclass, field
@@ -21,14 +15,11 @@ NON_FINITE = ("the target produced non-finite logits or probabilities (NaN/inf w
 
 @dataclass
 class Requests:
-    """What an engine knows of its requests between rounds, one entry per engine row: the next token (the target's
-    last choice, not yet in the caches), the position (= committed length), the generator (None: an ended request
-    or a padding row, which draw nothing) and liveness (1 while the request advances). Engine.start makes it,
-    Engine.adopt hands it to an engine, Engine.step advances it."""
-    token: torch.Tensor | None  # [N] long (None until the prefill's first token)
-    position: torch.Tensor  # [N] long
-    generators: list  # [N] torch.Generator or None
-    live: torch.Tensor  # [N] 0 or 1
+    """An engine's requests between rounds, one entry per engine row (made by Engine.start, advanced by step)."""
+    token: torch.Tensor | None  # [N] long: the target's last choice, not yet cached (None before the prefill)
+    position: torch.Tensor  # [N] long: the committed length
+    generators: list  # [N] torch.Generator, or None: an ended request or a padding row, which draw nothing
+    live: torch.Tensor  # [N] 1 while the request advances, else 0
 
     def select(self, rows: list[int]) -> "Requests":
         """The requests in these engine rows, in this order, as rows 0, 1, ..."""
@@ -37,8 +28,7 @@ class Requests:
                         self.live[index])
 
     def padded(self, batch: int) -> "Requests":
-        """These requests followed by padding rows up to `batch`: ended, at position 1 (a one-token dummy prompt,
-        as Engine.start pads)."""
+        """These requests, then ended padding rows at position 1 (as Engine.start pads) up to `batch`."""
         pad = batch - len(self.generators)
         return Requests(torch.cat([self.token, self.token.new_zeros(pad)]),
                         torch.cat([self.position, self.position.new_ones(pad)]), self.generators + [None] * pad,
@@ -59,8 +49,7 @@ class Result:
 
 
 class RequestsFailed(ValueError):
-    """Raised once every request has ended, when some failed (Result.error): `results` holds every request's
-    Result, the failed ones' and the rest, complete."""
+    """Raised once every request has ended, when some failed (Result.error); `results` holds every Result."""
 
     def __init__(self, results: list[Result]):
         self.results = results
@@ -70,15 +59,10 @@ class RequestsFailed(ValueError):
 
 def run(engine_for, prompts: list, seeds: list, stop: set, max_new_tokens: int, max_batch: int = 1,
         on_tokens=None, on_result=None, labels: dict | None = None) -> list[Result]:
-    """Every request to the end, in waves of up to max_batch: per wave, prefill, then rounds until each of its
-    requests has ended. engine_for(longest prompt of the wave, batch size) gives the wave's engine of that batch
-    size. The rows of a request that has ended still run (static shapes), so once the running requests fit a
-    smaller power of two they move to such an engine: a batch whose requests end at different rounds no longer runs
-    every round at its starting size (budget auto keeps its batch: its candidates' costs are calibrated for one
-    batch size). A request whose draws were not sound (the engine's None for it) ends with Result.error, the others
-    go on. on_tokens(i, list[int]) streams request i's tokens; on_result(i, Result) gets request i's Result as soon
-    as it ends, its stats as of then (compile_seconds counts the compiling so far, budget auto's report its rounds so
-    far) plus `labels`."""
+    """Every request to the end, in waves of up to max_batch: prefill, then rounds until each has ended, on
+    engine_for(longest prompt, batch size). Once the running requests fit a smaller power of two they move to such
+    an engine (not under budget auto: its costs are calibrated for one batch size). A request whose draws were not
+    sound ends with Result.error. on_result(i, Result) gets request i's Result, stats as of then plus `labels`."""
     labels = labels or {}
     auto = labels.get("budget") == "auto"
     results = [Result(tokens=[], stats=dict(accepted=[], path_lengths=[], seed=seed)) for seed in seeds]
@@ -141,14 +125,12 @@ def run(engine_for, prompts: list, seeds: list, stop: set, max_new_tokens: int, 
 
 
 def move_to_smaller(engine, engine_for, rows: list, live: set, committed: int) -> tuple:
-    """Move the running requests (`live`; rows[r] is the request in engine row r; none has more than `committed`
-    tokens in the caches) to the engine for the next power of two that holds them. Returns that engine, its rows'
-    requests, and the seconds its warm-up took (compiling it, the first time), which the run's time leaves out."""
+    """Move the running requests (`live`; rows[r] is engine row r's; at most `committed` tokens cached) to the
+    engine for the next power of two that holds them. Returns it, its rows' requests and its warm-up seconds."""
     keep = [row for row, i in enumerate(rows) if i in live]
     held = take(engine, keep, committed)
     smaller = engine_for(batch_bucket(len(keep), engine.batch))
-    # A new engine's warm-up runs a dummy request in every row, over the first warm_up_slots() slots: those of the
-    # moved requests are kept aside meanwhile (a few hundred slots, not the whole context).
+    # A new engine's warm-up writes a dummy request's first warm_up_slots() slots in every row: kept aside meanwhile.
     window = smaller.warm_up_slots() if not smaller.warm else 0
     saved = [c[:len(keep), :, :window].clone() for c in smaller.kv_caches()] if window else []
     states = [s[:len(keep)].clone() for s in recurrent_states(smaller.target)] if window else []
@@ -169,13 +151,12 @@ def emitted(new: list, stop: set, room: int) -> list:
 
 
 def take(engine, rows: list[int], slots: int) -> Requests:
-    """The running requests in `rows`, for an engine with a smaller batch: their caches' first `slots` slots (every
-    request's committed ones: the rest are scratch) move to the caches' first rows, in place, layer by layer (the
-    smaller engine's caches are those rows); returns their Requests."""
+    """The requests in `rows`, moved to the caches' first rows (the smaller engine's), in place: their first
+    `slots` slots (the committed ones) and recurrent states; returns their Requests."""
     index = torch.tensor(rows, device=engine.device)
     for cache in engine.kv_caches():
         cache[:len(rows), :, :slots] = cache[:, :, :slots].index_select(0, index)
-    for state in recurrent_states(engine.target):  # recurrent layers' states: one per request, whole
+    for state in recurrent_states(engine.target):
         state[:len(rows)] = state.index_select(0, index)
     return engine.requests.select(rows)
 
@@ -186,6 +167,5 @@ def recurrent_states(target) -> list:
 
 
 def batch_bucket(n: int, max_batch: int) -> int:
-    """The engine's batch size for n requests: the next power of two (at most max_batch), so that a handful of
-    compiled graphs serve every batch size."""
+    """The engine's batch size for n requests: the next power of two (at most max_batch), for few graphs."""
     return min(1 << (n - 1).bit_length(), max_batch)

@@ -1,17 +1,7 @@
-"""The DFlash block-diffusion drafter (z-lab's checkpoint format) in our own modules.
-
-A round drafts one block `[bonus, MASK x (block_size - 1)]` per request at absolute positions start .. start +
-block_size - 1. Every layer is a Qwen3 layer whose keys/values are those of the context (the target's chosen-layer
-outputs of the committed tokens, fused by `fc` + `hidden_norm`) followed by those of the block; the block attends
-to all of the context and bidirectionally to itself. Output k >= 1 is the distribution of the token at start + k,
-so one forward gives block_size - 1 per-position distributions. The embedding and lm_head are the target's.
-
-Only the context's K/V persist between rounds (one cache buffer per layer, like the target's); the block's K/V
-are written into the slots just after the context and overwritten by the next round. Context features are
-appended with a fixed width so every round has the same shapes and compiles once.
-
-DFlash 2 (`DFlash2DraftModel`) is its own module, dflash2.py, which from_pretrained hands its checkpoints over to.
-"""
+"""The DFlash block-diffusion drafter (z-lab's checkpoint format; DFlash 2: dflash2.py) in our own modules. A round
+drafts one block `[bonus, MASK x (block_size - 1)]` per request at positions start.. through Qwen3 layers whose
+keys/values are the context's (the target's chosen-layer outputs of committed tokens, fused by `fc` + `hidden_norm`,
+cached between rounds) then the block's; output k >= 1 is the token at start + k. Embedding, lm_head: the target's."""
 
 import os
 from dataclasses import dataclass
@@ -33,8 +23,7 @@ class DFlashConfig:
     num_target_layers: int
     target_layer_ids: list[int]
     mask_token_id: int
-    # per layer (sliding window or None, causal): how its block rows attend (loading.attention_kinds); () = every
-    # layer (None, False), the whole context and block
+    # per layer (sliding window or None, causal) of its block rows (loading.attention_kinds); (): all (None, False)
     attention: tuple = ()
     output_multiplier: float = 1.0  # logits = lm_head(h) * output_multiplier, then the softcap
     logit_softcap: float | None = None  # final_logit_softcapping: logits = c * tanh(logits / c)
@@ -58,8 +47,7 @@ class DFlashConfig:
 class DFlashDrafter(nn.Module):
     config_type = DFlashConfig  # what from_pretrained reads config.json into
     weight_aliases = None  # load_weights' aliases: other names a checkpoint may store a tensor under
-    # The tokens of each depth a tree may hold: None, the vocabulary's top min(budget, vocab) (settings.check_orderable)
-    candidates_per_depth: int | None = None
+    candidates_per_depth: int | None = None  # None: each depth's top min(budget, vocab) (settings.check_orderable)
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -97,18 +85,16 @@ class DFlashDrafter(nn.Module):
         return [c for layer in self.layers for c in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
 
     def append_context(self, features, positions, cache_pos):
-        """Write the context K/V of committed tokens: features [N, W, len(ids) * hidden] (the target's chosen-layer
-        outputs), at RoPE positions and cache slots [N, W] (request n in cache row n). No attention: context rows
-        are keys, never queries."""
+        """Write the context K/V of committed tokens' features [N, W, len(ids) * hidden] at RoPE positions and cache
+        slots [N, W]; context rows are keys, never queries."""
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
         cos, sin = (t[:, None] for t in rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor, ctx.dtype))
         for layer in self.layers:
             layer.self_attn.store_kv(*layer.self_attn.kv_proj(ctx), cos, sin, cache_pos)
 
     def forward(self, block_tokens, positions, cache_pos, masks: dict, rows: slice = slice(None)):
-        """One denoising pass over blocks [N, block_size] -> the final normed hidden states [N, block_size, H] of
-        the block's `rows` (row k predicts the token at position start + k; row 0 is the bonus's own row and is
-        not a prediction). Each layer attends under masks[its (window, causal)] (config.mask_kinds)."""
+        """One denoising pass over blocks [N, block_size] -> the final normed hidden states [N, rows, H] of the
+        block's `rows` (row k predicts position start + k). Each layer attends under masks[its mask_kind]."""
         embed = self.target_parts[0]
         x = embed(block_tokens)
         if self.config.input_embedding_scale != 1:
@@ -130,18 +116,9 @@ class DFlashDrafter(nn.Module):
         return logits
 
     def draft(self, bonus, start, masks: dict, denoise_steps: int = 1, length: int | None = None):
-        """Per-position draft logits [N, length, vocab] for the first `length` (default and at most block_size - 1)
-        positions after each request's bonus [N] at start [N]. A shorter length changes no logit:
-        every row of the block still runs through every layer (the rows see each other), and only the unused
-        rows' final norm and lm_head are skipped; a tree of B nodes is at most B deep, so ddtree needs only
-        min(B, block_size - 1) of them.
-
-        `masks`, one per config.mask_kinds (tree_attn.PrefixMask.set), must let request n's block see slots
-        [0, start[n] + block_size) as its layers attend. With denoise_steps T > 1, each pass unmasks the most
-        confident still-masked positions (their argmax) and the next pass conditions on them; each position keeps
-        the logits of the pass that decided it (the last pass for those still masked), so the draft is the same
-        per-position form as with T = 1.
-        """
+        """Per-position draft logits [N, length, vocab] for the first `length` (at most block_size - 1) positions
+        after each request's bonus [N] at start [N]; masks: one per config.mask_kinds. With denoise_steps > 1, each
+        pass unmasks the most confident masked positions (their argmax) for the next; each keeps its deciding logits."""
         bs, n = self.block_size, bonus.shape[0]
         length = length or bs - 1
         tokens, pos = self.block(bonus, start)
@@ -180,7 +157,6 @@ class DFlashDrafter(nn.Module):
             return family.from_pretrained(path, device, dtype)
         config = cls.config_type.from_dict(d, where)
         check_layer_count(path, config.model.num_hidden_layers, where)
-        # under torchrun: this rank's GPU (the drafter is replicated)
         device = families.parallel_device(parse_device(device))[0]
         dtype = parse_dtype(dtype, device)
         drafter = on_meta(lambda: cls(config), where)

@@ -1,14 +1,7 @@
-"""The dense Qwen3 target: a Hugging Face checkpoint loaded through safetensors into our own modules.
-
-The forward takes token ids, their RoPE positions and the cache slots their K/V go to (they differ in a tree
-verify: a node at depth d sits at position start + d but in slot start + row), attends under a BlockMask from
-tree_attn.py (FlexAttention; on the CPU, cpu/ attends under it its own way), and returns float32 logits for the
-requested rows plus, on request, the outputs of chosen layers (the drafter's context features). Inputs carry a
-batch of independent requests (each with its own rows, positions, slots and cache row); the K/V cache is static,
-one buffer per layer with a row per request. The config, then the modules bottom-up; loading is loading.py.
-Every other family (Qwen3-MoE, the Qwen3.5 / 3.6 hybrids, RoPE scaling, tensor parallel) is a module of its own
-that families.py applies to this skeleton after it is built (docs/families.md); nothing here imports one.
-"""
+"""The dense Qwen3 target: a Hugging Face checkpoint loaded through safetensors into our own modules. The forward
+takes token ids, their RoPE positions and cache slots (a tree node at depth d: position start + d, slot start + row)
+and returns logits plus, on request, chosen layers' outputs (the drafter's context features). Other families are
+modules that families.py applies to this skeleton after it is built; nothing here imports one."""
 
 import os
 import warnings
@@ -42,13 +35,11 @@ class Qwen3Config:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    # RoPE beyond rope_theta, read by rope.py when the file names a scaling (families.py): the rope type ("default"
-    # is plain RoPE) and the keys its transformers function reads. partial_rotary_factor: the share of each head
-    # that RoPE rotates (1 here; a family with partial RoPE reads another).
+    # RoPE scaling as rope.py reads it ("default": plain RoPE); partial_rotary_factor: the share of each head rotated.
     rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
     partial_rotary_factor: float = 1.0
     defaulted: tuple = ()  # "field=value" of head_dim / num_key_value_heads when config.json has none (loading.py)
-    # A family's own fields, read by its module (families.py): moe.MoEConfig, hybrid.HybridConfig; None for dense.
+    # A family's own fields (moe.MoEConfig, hybrid.HybridConfig); None for dense.
     moe: object = None
     hybrid: object = None
 
@@ -59,8 +50,8 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json", moe: bool | None = None) -> "Qwen3Config":
-        """Reads every value from the file (transformers v4 and v5 layouts, any family families.py knows); refuses
-        what we would get wrong. moe: read the MoE fields (default: when the file says qwen3_moe)."""
+        """Every value from config.json (families.config_fields), checked. moe: read the MoE fields (default: when
+        the file says qwen3_moe)."""
         return cls(**families.config_fields(d, where, moe))
 
 
@@ -70,8 +61,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rope_frequencies(config, device=None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rotated dims / 2] in float32, attention factor) of a config's RoPE: plain RoPE here, as
-    transformers computes it; a scaled RoPE's from rope.py (families.py)."""
+    """(inv_freq [rotated dims / 2] in float32, attention factor) of a config's RoPE (a scaled one: rope.py)."""
     if config.rope_scaling["rope_type"] != "default":
         return families.scaled_rope(config, device)
     dim = config.rotary_dim
@@ -89,17 +79,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # As Qwen3: normalize in float32 (float64 for a float64 model), cast back, then scale (the order matters in
-        # bf16).
+        # As Qwen3: normalize upcast, cast back, then scale (the order matters in bf16).
         h = x.to(compute_dtype(x.dtype))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, dtype):
-    """cos, sin [..., rotary dims / 2] for positions [...] (angles in float32; float64 for a float64 model): one
-    value per rotated pair, which both halves of apply_rope share; both scaled by the RoPE's attention factor
-    (rope.rope_frequencies; YaRN's differs from 1) before the cast, as transformers scales them."""
+    """cos, sin [..., rotary dims / 2] for positions [...], one per rotated pair, computed upcast and scaled by the
+    RoPE's attention factor before the cast, as transformers does."""
     f = compute_dtype(dtype)
     freqs = positions.to(f)[..., None] * inv_freq.to(f)
     cos, sin = freqs.cos(), freqs.sin()
@@ -109,22 +97,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_fact
 
 
 def apply_rope(x, cos, sin):
-    """Rotate-half RoPE. x: [N, heads, Q, head_dim]; cos/sin: [N, 1, Q, rotary dims / 2] (or broadcastable to it).
-    Dimension i of the first half pairs with dimension i of the second: (x1, x2) -> (x1 cos - x2 sin, x2 cos +
-    x1 sin), the same products and sums as Hugging Face's x * cos + rotate_half(x) * sin, without building the
-    rotated copy. With fewer rotary dims than head_dim (partial RoPE), the rest pass through."""
+    """Rotate-half RoPE (Hugging Face's products and sums, without the rotated copy). x: [N, heads, Q, head_dim];
+    cos/sin: [N, 1, Q, rotary dims / 2]. Dimensions past the rotary ones pass through."""
     half = cos.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias (on the CPU, eager or compiled, cpu.CpuLinear takes its place).
-
-    `parts` ({checkpoint name: rows}, in order) stacks several of the checkpoint's projections of the same input
-    into this one weight, so that a forward reads them in one GEMM instead of one each (gpt-fast's wqkv): the
-    loader fills each part's rows from the tensor of that name beside this module, and writes them back under it
-    (loading.checkpoint_tensors); `split` cuts an output into the parts."""
+    """nn.Linear without bias (on the CPU, cpu.CpuLinear takes its place). `parts` ({checkpoint name: rows}, in
+    order) stacks projections of one input into one weight, read in one GEMM (the loader fills and writes back each
+    part's rows); `split` cuts an output into the parts."""
 
     def __init__(self, in_features: int, out_features: int | None = None, parts: dict | None = None):
         super().__init__(in_features, out_features or sum(parts.values()), bias=False)
@@ -134,17 +117,14 @@ class Linear(nn.Linear):
         return y.split(list(self.parts.values()), dim=-1)
 
     def argmax(self, x, dtype: torch.dtype) -> tuple:
-        """(each row's argmax token, whether all its logits are finite) of the logits self(x) in `dtype`: all that a
-        greedy pick reads (tp.VocabParallelHead finds both without gathering a vocabulary split over ranks)."""
+        """(each row's argmax token, whether all its logits are finite) of self(x) in `dtype`: what a greedy pick
+        reads (tp.VocabParallelHead finds both without gathering the vocabulary)."""
         logits = self(x).to(dtype)
         return logits.argmax(-1), torch.isfinite(logits).all(-1)
 
 
-# Layers compiled once (docs/compile.md, "Layers compiled once"). A model's layers run the same code on the same
-# shapes, but a whole-round graph traces, lowers and builds kernels for each of them separately. Under torch.compile
-# every layer call goes through one nested compile region instead: traced and built once per distinct layer (and
-# shapes), then called per layer with that layer's weights and caches as arguments. Read while tracing; False: every
-# layer inlined (cpu.compile_frozen's graphs: freezing needs the weights as graph constants).
+# Compiled, every layer call goes through one nested region, built once per distinct layer (docs/compile.md). Read
+# while tracing; False: every layer inlined (cpu.compile_frozen: freezing needs the weights as graph constants).
 COMPILE_LAYERS_ONCE = True
 
 
@@ -157,19 +137,16 @@ def _layer_once(layer, x, cos, sin, cache_pos, kv_num_blocks, kv_indices, full_n
 
 
 def run_layer(layer, x, cos, sin, cache_pos, mask):
-    """layer(x, ...) through the layers' one compiled region (see the switch above; eagerly the region is a plain
-    call). A BlockMask made elsewhere than a PrefixMask (a test's, written out) has no tensors to rebuild it from:
-    its layer is called as it is."""
+    """layer(x, ...) through the layers' one compiled region; a BlockMask not from a PrefixMask (a test's) has no
+    tensors to rebuild it from, so its layer is called directly."""
     if not COMPILE_LAYERS_ONCE or not hasattr(mask, "prefix_tensors"):
         return layer(x, cos, sin, cache_pos, mask)
-    # Dynamo reuses a traced region only when every argument is a tensor, a number or a module: the PrefixMask's
-    # BlockMask goes in as its tensors and is rebuilt inside, so each distinct layer is traced once.
+    # Dynamo reuses a region only for tensor, number and module arguments: the BlockMask goes in as its tensors.
     return _layer_once(layer, x, cos, sin, cache_pos, *mask.prefix_tensors, mask.window or 0, mask.context or 0)
 
 
 class Attention(nn.Module):
-    """Qwen3's attention. `q_rows`: the rows of q_proj (a family whose q_proj gives more than the queries says
-    more)."""
+    """Qwen3's attention. `q_rows`: q_proj's rows (more than the queries' in some families)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, q_rows: int | None = None):
         super().__init__()
@@ -186,8 +163,7 @@ class Attention(nn.Module):
         self.kv_rows = None  # the (K, V) buffers the caches are the first rows of (allocate_kv_caches)
 
     def store_kv(self, k, v, cos, sin, cache_pos):
-        """Projected k, v [N, Q, kv_heads * head_dim] into the caches, k normed and roped: request n's row q goes to
-        slot cache_pos[n, q], in one indexed write per cache."""
+        """Projected k, v [N, Q, kv_heads * head_dim] into the caches (k normed and roped) at slots cache_pos."""
         n, q_len = k.shape[:2]
         k = self.k_norm(k.view(n, q_len, self.kv_heads, self.head_dim))
         batch = torch.arange(n, device=k.device)[:, None]
@@ -195,8 +171,7 @@ class Attention(nn.Module):
         self.v_cache[batch, :, cache_pos] = v.view(n, q_len, self.kv_heads, self.head_dim)
 
     def kv_proj(self, x):
-        """(k, v) projections of rows x alone: the K/V rows of the stacked weight (a drafter's context rows are keys
-        and values, never queries)."""
+        """(k, v) projections of rows x alone, for rows that are never queries (a drafter's context)."""
         return F.linear(x, self.qkv_proj.weight[self.q_rows:]).chunk(2, dim=-1)
 
     def forward(self, x, cos, sin, cache_pos, mask):
@@ -208,8 +183,7 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(q, mask, self.head_dim ** -0.5))
 
     def attend(self, q, mask, scale):
-        """q [N, H, Q, D] over this layer's caches under the BlockMask `mask`, as [N, Q, H * D]: the one attention
-        seam (on the CPU, cpu.CpuAttention attends here its own way)."""
+        """q [N, H, Q, D] over this layer's caches under `mask`, as [N, Q, H * D] (on the CPU: cpu.CpuAttention)."""
         n, q_len = q.shape[0], q.shape[2]
         out = flex_attention(q, self.k_cache, self.v_cache, block_mask=mask, scale=scale,
                              enable_gqa=self.heads != self.kv_heads,
@@ -245,11 +219,9 @@ class Block(nn.Module):
 
 
 def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
-    """One K and one V buffer per layer ([batch, kv_heads, length, head_dim]: a row per request), never views of
-    one stacked buffer: compiled FlexAttention reads such views wrongly (docs/compile.md, "stacked KV buffer views").
-    Buffers with at least `batch` rows of that length, dtype and device are kept (compiled graphs and CUDA graphs
-    hold on to them), and a smaller batch gets their first rows: a batch that shrinks as its requests end, and the
-    next batch at the full size, allocate nothing."""
+    """One K and one V buffer per layer [batch, kv_heads, length, head_dim], never views of one stacked buffer
+    (compiled FlexAttention misreads them, docs/compile.md). Buffers with at least `batch` rows are kept (graphs
+    hold on to them) and a smaller batch gets their first rows."""
     with torch.inference_mode(False):  # normal tensors: usable inside and outside inference mode
         for layer in layers:
             if not hasattr(layer, "self_attn"):  # a layer of another kind (a recurrent one): no K/V
@@ -261,14 +233,12 @@ def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
                     full[0].dtype != dtype or full[0].device != torch.device(device):
                 full = attn.kv_rows = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
             if attn.k_cache is None or attn.k_cache.shape != shape or attn.k_cache.data_ptr() != full[0].data_ptr():
-                # the whole buffer itself, or a view of its first rows (storage offset 0, the buffer's strides)
                 attn.k_cache, attn.v_cache = (t if t.shape[0] == batch else t[:batch] for t in full)
 
 
 def tie_or_keep_head(model, path: str):
-    """tie_word_embeddings: the lm_head is the embedding matrix, unless the file stores an lm_head.weight that
-    differs from it: transformers then uses the stored head, and so do we, with a warning (a stored head equal to
-    the embeddings is tied: one copy). Under tensor parallel both hold this rank's rows of the vocabulary."""
+    """tie_word_embeddings: the lm_head is the embedding matrix, unless the file stores a different lm_head.weight,
+    which transformers uses, and so do we, with a warning."""
     head, embed = model.lm_head.weight, model.embed_tokens.weight
     if head is embed or head.is_meta or torch.equal(head, embed):
         model.lm_head.weight = embed
@@ -305,8 +275,7 @@ class Qwen3(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def setup_cache(self, length: int, batch: int = 1):
-        """Allocate (or reuse) one K and one V buffer per attention layer for `batch` requests of `length` slots (a
-        multiple of 128)."""
+        """Allocate (or reuse) the K/V caches for `batch` requests of `length` slots."""
         allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
 
     def kv_caches(self):
@@ -321,13 +290,10 @@ class Qwen3(nn.Module):
 
     def forward(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(), recurrent=None,
                 argmax=False):
-        """tokens, input_pos, cache_pos: [N, Q] int64 (request n's rows, their RoPE positions and cache slots in
-        cache row n), or [Q] for one request. Returns (float32 logits [N, len(logits_rows) or Q, V] (float64 for a
-        float64 model), features [N, Q, len(feature_layers) * hidden] or None): the outputs of the chosen layers,
-        concatenated; without the leading N for 1-D input. logits_rows: [N, k] rows of each request to take logits
-        of (or [k]). recurrent: a recurrent target's state for this forward (built by its hooks,
-        settings.RECURRENT_HOOKS); None here. argmax: in place of the logits, the pair (each row's argmax token, whether all its logits are
-        finite), which under tensor parallel gathers no logits (tp.VocabParallelHead.argmax)."""
+        """tokens, input_pos, cache_pos: [N, Q] int64 (rows, RoPE positions, cache slots), or [Q] for one request.
+        Returns (float32 logits [N, len(logits_rows) or Q, V], features [N, Q, len(feature_layers) * hidden] or
+        None), without N for 1-D input. logits_rows: [N, k] rows to take logits of. recurrent: a recurrent target's
+        state (settings.RECURRENT_HOOKS). argmax: the pair Linear.argmax gives in place of the logits."""
         if tokens.dim() == 1:
             rows = None if logits_rows is None else logits_rows[None]
             logits, features = self(tokens[None], input_pos[None], cache_pos[None], block_mask, rows, feature_layers,
@@ -340,8 +306,7 @@ class Qwen3(nn.Module):
         for i, layer in enumerate(self.layers):
             x = self.run_layer(layer, x, cos, sin, cache_pos, block_mask, recurrent)
             if i in feature_layers:
-                # Hugging Face's hidden_states[last + 1] is taken after the final norm, and DFlash drafters that
-                # read the last layer were trained on that: match it (docs/checkpoints.md, "context features").
+                # Hugging Face's last hidden state is after the final norm: drafters train on it (docs/checkpoints.md).
                 outputs[i] = self.norm(x) if i == last else x
         if logits_rows is not None:
             x = x.gather(1, logits_rows[..., None].expand(-1, -1, x.shape[-1]))
@@ -353,9 +318,8 @@ class Qwen3(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, device=None, dtype=None) -> "Qwen3":
-        """The checkpoint at a local path or Hub repo, read as transformers 5.24 reads it (docs/checkpoints.md);
-        bf16 on CUDA and fp32 elsewhere unless `dtype` says. The dense skeleton is built on meta, the families its
-        config.json names are applied to it (families.py), then the weights are read into it."""
+        """The checkpoint at a local path or Hub repo, read as transformers reads it (docs/checkpoints.md); bf16 on
+        CUDA, fp32 elsewhere unless `dtype` says. Its families are applied to the skeleton (families.py)."""
         path = resolve_checkpoint(path_or_repo, "target")
         where = os.path.join(path, "config.json")
         raw = read_json(where)
