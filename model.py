@@ -1,7 +1,7 @@
 """The dense Qwen3 target: a Hugging Face checkpoint loaded through safetensors into our own modules. The forward
 takes token ids, their RoPE positions and cache slots (a tree node at depth d: position start + d, slot start + row)
 and returns logits plus, on request, chosen layers' outputs (the drafter's context features). Other families are
-modules that families.py applies to this skeleton after it is built; nothing here imports one."""
+modules that families.py applies to this skeleton after it is built (docs/families.md); nothing here imports one."""
 
 import os
 import warnings
