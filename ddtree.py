@@ -29,7 +29,8 @@ from draft_tree import ancestor_matrix, beyond_room, build_tree, build_tree_heap
 from drafter import DFlashDrafter
 from families import position_limit
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
-from settings import Speculation, Target, check_models, recurrent_target, check_recalibrate, check_request, check_settings, verify_rows
+from settings import (Speculation, Target, check_models, check_recalibrate, check_request, check_settings,
+                      recurrent_target, verify_rows)
 from tree_attn import PrefixMask, compact_kv, round_up
 
 # Eager FlexAttention warns that it materializes the scores: the eager path does, by design.
