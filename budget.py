@@ -620,11 +620,12 @@ def tally(budgets: tuple, chain, tokens, path, length, next_token) -> torch.Tens
 def accepted_within(path: torch.Tensor, length: torch.Tensor, budgets) -> torch.Tensor:
     """Drafts each smaller budget would have accepted in the same round, read off one verified tree of budget B.
 
-    The trees are nested: the tree of B' <= B nodes is the first B' nodes of the tree of B (both are the first
-    nodes of the one global order: draft_tree.py, "Order"), so it holds row r iff 1 <= r <= B'. A walk down the smaller
-    tree, fed the same target choices, follows the same path until the path leaves it; rows grow along a path
-    (parents precede children), so that walk accepts exactly the path's rows <= B'. path [..., L + 1] and length
-    [...] as walk_tree returns them (path[0] = 0 is the root; `length` counts it); returns [..., len(budgets)]."""
+    The trees are nested: the tree of B' <= B nodes is the first B' nodes of the tree of B (both are the first nodes
+    of the one global order: docs/lossless.md, "Two builders, one order"), so it holds row r iff 1 <= r <= B'. A
+    walk down the smaller tree, fed the same target choices, follows the same path until the path leaves it; rows
+    grow along a path (parents precede children), so that walk accepts exactly the path's rows <= B'. path
+    [..., L + 1] and length [...] as walk_tree returns them (path[0] = 0 is the root; `length` counts it); returns
+    [..., len(budgets)]."""
     steps = torch.arange(path.shape[-1], device=path.device)
     on_path = (steps >= 1) & (steps < length[..., None])  # the accepted nodes, root excluded
     limits = torch.as_tensor(budgets, device=path.device)

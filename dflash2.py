@@ -222,8 +222,9 @@ def build_lattice_tree_heap(tokens: torch.Tensor, logq: torch.Tensor, budget: in
     Why it is the best tree: the expected acceptance length of a tree is still the sum of its nodes' prefix
     probabilities (Prop. 1 of the paper needs only that a node is accepted iff its prefix is), so the best tree is
     the `budget` most probable prefixes, and they are prefix-closed since a child's probability is its parent's
-    times a factor <= 1. The heap pops prefixes in the global order of draft_tree's "Order" (a child never before
-    its parent, nor a sibling before its elder sibling, as log-laws are <= 0 and rounding is monotone)."""
+    times a factor <= 1. The heap pops prefixes in the global order of docs/lossless.md, "Two builders, one order"
+    (a child never before its parent, nor a sibling before its elder sibling, as log-laws are <= 0 and rounding is
+    monotone)."""
     assert budget >= 1
     if tokens.dim() == 3:
         return tuple(torch.stack(t) for t in zip(*(build_lattice_tree_heap(a, b, budget)

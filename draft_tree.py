@@ -1,36 +1,16 @@
-"""Draft-tree construction: the B most probable prefixes under the drafter's per-position distributions.
+"""Draft-tree construction: the B most probable prefixes under the drafter's per-position log-laws logq [L, V].
 
-DDTree (paper §4.2-4.3; docs/lossless.md, "the optimal tree"): one drafter pass gives log-distributions
-logq[L, V] for the L positions after the bonus token. Under the factorized draft law Q(y) = prod_i q_i(y_i), a
-tree's expected acceptance length is the sum of its nodes' prefix probabilities (Prop. 1), so the best tree with B
-nodes is the set of the B most probable prefixes (Prop. 2), which is prefix-closed, and only the top-K = min(B, V)
-tokens of each depth can appear in it (Lemma 1).
-
-Two builders with identical output (same tensors, bit for bit):
+DDTree (paper §4.2-4.3; docs/lossless.md, "The optimal tree"). Two builders with identical output, bit for bit,
+as both follow one order of the prefixes (docs/lossless.md, "Two builders, one order", has the order and the proof):
 
     build_tree_heap  the paper's Algorithm 1, a best-first heap on the host: the readable reference
     build_tree       the same tree from fixed-shape tensor ops without host syncs: torch.compile / CUDA graphs
 
-Order. A prefix's score is the float32 sum of its log-probs, accumulated root to leaf as parent_score +
-logq[d, token], starting from 0.0; its rank r_d is its token's rank among depth d's tokens (log-prob descending,
-ties by token id ascending). Nodes are ordered by the key (-score, depth, parent's place in the order, rank), a
-recursive definition: depth d's order depends on depth d - 1's. As log-probs are <= 0 and float32 rounding is
-monotone, a child never comes before its parent, nor a sibling before its elder sibling; so the heap pops in
-exactly this global order, and the first B of it are prefix-closed. Breaking score ties by the parent's place
-(not by the rank tuple) is what makes build_tree's tight candidate bound exact: a child of an earlier parent
-with a rank no larger scores at least as high (monotone rounding) and so always comes first.
-
-Output (both builders), for the verify input [bonus, node_1, ..., node_B] (row 0 is the bonus, the tree's root,
-not counted in the budget; node i, 0-based, is row i + 1), in pop order so parents precede children:
-    tokens  [B] int64  token ids
-    parents [B] int64  row of the parent (0 = the root)
-    depths  [B] int64  1 for children of the root
-When fewer than B prefixes exist (V^1 + ... + V^L < B) the tail is padding: token 0, parent -1, depth 0.
-
-Batches: logq [N, L, V] holds N independent requests; every output (and ancestor_matrix's) gains the leading N,
-and row n equals the unbatched call on logq[n], bit for bit. An unbatched call is the batch of one.
-
-logq must hold log-probabilities (<= 0, no NaN); -inf (probability 0) is fine.
+Output, for the verify input [bonus, node_1, ..., node_B] (row 0 is the bonus, the tree's root, not counted in the
+budget; node i, 0-based, is row i + 1), in pop order so parents precede children: tokens (token ids), parents (row
+of the parent, 0 = the root) and depths (1 for children of the root), [B] int64 each. When fewer than B prefixes
+exist the tail is padding: token 0, parent -1, depth 0. logq [N, L, V] holds N requests: every output gains the
+leading N, row n equal to the call on logq[n]. logq holds log-probabilities (<= 0, no NaN; -inf is fine).
 """
 
 import heapq
@@ -51,14 +31,9 @@ def f32(x: float) -> float:
 
 
 def order_key(score: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
-    """One int64 per entry: larger key = earlier in the order (score descending, then tie ascending).
-
-    topk and sort are not stable, and topk's choice among equal values is unspecified, so we fold the tie-break
-    into the value itself: the float32 bits mapped to a monotone int32 in the high half, the inverted tie in the
-    low half. Keys are then distinct and a plain topk gives exactly the ordered top entries. 0 <= tie < 2**31:
-    where `tie` is an arange, inductor folds 2**31 - 1 - tie into an index expression, which Triton types as int32
-    (2**32 - 1 there fails to compile).
-    """
+    """One distinct int64 per entry, larger = earlier (score descending, then tie ascending): the tie folded into
+    the value, as topk is not stable (docs/compile.md, "Unstable topk and sort"). 0 <= tie < 2**31, which Triton
+    index expressions need (docs/compile.md, "No int32 overflow in Triton index expressions")."""
     bits = score.contiguous().view(torch.int32)
     # Non-negative floats order like their bits; a negative one is minus its magnitude bits (which also maps
     # -0.0 to 0, as the heap's float comparison has -0.0 == 0.0).
@@ -108,27 +83,10 @@ def build_tree_heap(logq: torch.Tensor, budget: int):
 def build_tree(logq: torch.Tensor, budget: int):
     """build_tree_heap's exact output from tensor ops: fixed shapes for a given (N, L, V, budget), no host sync.
 
-    logq [L, V] or [N, L, V]. Every op carries the batch dim (topk along the last dim, gathers within a row), so
-    N trees are one graph; an unbatched call runs as N = 1.
-
-    Depth by depth, keep the best prefixes of that depth among the children of the previous depth's kept
-    prefixes; then take the global best `budget` of all kept prefixes. This is exact: the answer G (the first
-    `budget` prefixes of the global order) is a down-set of the order, so each depth's part of G is a prefix of
-    that depth's kept list, its children are among the candidates, and it is among the best of any candidate set
-    containing it.
-
-    Candidates are pruned by a bound that keeps every member of G. Take the child c of rank k of the frontier
-    entry at key-order position pi, at depth D. If c is in G, so is everything before it: its D - 1 ancestors,
-    the pi frontier entries before its parent, their children of rank <= k (each scores at least c's score, and
-    a tie goes to the earlier parent: see Order above), and c's k elder siblings. These are distinct nodes, so
-    D + pi * (k + 2) + k <= budget. Per depth that is a hyperbola of about budget * ln(budget) candidates (about
-    3k at the paper's budget of 512) instead of budget x K. The bound depends only on (pi, k), so every row of a
-    batch shares the same candidate pairs. They are made once, for D = 1, the loosest bound: pi-major, so a
-    frontier of F entries takes a prefix of them. A deeper depth needs no tighter mask: its part of G passes the
-    loosest bound too and has at most budget - D + 1 nodes, so it is among the depth's best budget - D + 1
-    candidates, which are kept.
-
-    Cost: one int64 topk per depth over a few thousand candidates, and a final one over the kept prefixes.
+    logq [L, V] or [N, L, V] (an unbatched call runs as N = 1). Depth by depth, keep the best children of the
+    previous depth's kept prefixes, among the candidate pairs (frontier place pi, rank k) with pi * (k + 2) + k <=
+    budget - 1; then take the global best `budget` of all kept prefixes. Why this is exact: docs/lossless.md,
+    "Two builders, one order".
     """
     if logq.dim() == 2:
         return tuple(t.squeeze(0) for t in build_tree(logq.unsqueeze(0), budget))
@@ -176,7 +134,7 @@ def candidate_pairs(F: int, K: int, limit: int, device):
     rows = sum(c > 0 for c in counts)  # the parents with a pair, which come first
     first = torch.tensor(sizes[:rows], dtype=torch.int64, device=device)  # flat index of each parent's first pair
     # parent = how many parents start at or before each flat index, minus one: a cumsum of start marks
-    # (repeat_interleave does the same but lowers to a binary search per entry, slower on the CPU).
+    # (docs/compile.md, "repeat_interleave on CPU").
     starts = torch.zeros(sizes[-1], dtype=torch.int64, device=device).index_fill_(0, first[1:], 1)
     parent = torch.cumsum(starts, 0)
     return parent, torch.arange(sizes[-1], device=device) - first[parent], sizes
@@ -206,9 +164,8 @@ def ordered_tree(scores, ties, toks, parent_idx, depth_of, budget: int):
 
 
 def beyond_room(logq: torch.Tensor, room: torch.Tensor | None) -> torch.Tensor:
-    """Draft log-laws [N, D, ...] with every depth past the room [N] at probability 0: the best tree of any budget
-    then holds every prefix within the room before any past it ("Order" above: -inf scores come last, and
-    among them the shallower first), so its nodes within the room are the best tree the room allows."""
+    """Draft log-laws [N, D, ...] with every depth past the room [N] at probability 0, so that the best tree's nodes
+    within the room are the best tree the room allows (docs/lossless.md, "Two builders, one order")."""
     if room is None:
         return logq
     past = torch.arange(1, logq.shape[1] + 1, device=logq.device) > room[:, None]
@@ -227,13 +184,9 @@ def within_room(tokens, parents, depths, room):
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None, dtype=torch.bool) -> torch.Tensor:
     """anc[..., i, j] = row j is row i or one of its ancestors, over the B + 1 rows [root, nodes...].
 
-    parents [B] -> [B + 1, B + 1], or [N, B] -> [N, B + 1, B + 1] (one matrix per tree). The root is an ancestor
-    of every real node; padded nodes (parent -1) see only themselves. Pointer doubling with a fixed number of
-    steps: after s steps each row holds its ancestors at distance < 2**s. `max_depth` (the tree's depth bound,
-    e.g. L) sets the steps to ceil(log2(max_depth + 1)); default: enough for any tree of B.
-    The doubling runs on bytes whatever `dtype` asks: inductor's CPU code writes bool tensors many times slower
-    than bytes (a partial vector store per 16 elements), and the engine takes the uint8 result as it is
-    (tree_attn.PrefixMask).
+    parents [B] -> [B + 1, B + 1], or [N, B] -> [N, B + 1, B + 1]. Padded nodes (parent -1) see only themselves.
+    Pointer doubling, ceil(log2(max_depth + 1)) steps for a depth bound max_depth (default: any tree of B). It
+    runs on bytes whatever `dtype` asks (docs/compile.md, "Allow matrix as bytes").
     """
     B = parents.shape[-1]
     rows = torch.arange(B + 1, device=parents.device)
