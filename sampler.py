@@ -1,14 +1,9 @@
 """Logits warping, sync-free sampling, and the lossless verification rules.
 
 Everything here runs inside torch.compile'd code (fullgraph=True): no `.item()`, no Python branching on tensor
-values. Branching on the `Sampling` fields is fine: they are Python constants, baked into the graph.
-
-Shapes: warping and sampling act on the last dim of [..., V]; the verifiers take an optional leading batch dim
-N (independent requests, one graph), each row equal to the unbatched call on it.
-
-All randomness comes in as explicit tensors (one float64 uniform per categorical draw, uniforms for accept
-tests) drawn outside compiled code from a seeded torch.Generator, so that compiled code, eager code and the
-plain-Python reference verifiers in tests/test_sampler.py can be fed identical randomness and compared exactly.
+values (the `Sampling` fields are Python constants, baked into the graph). Warping and sampling act on the last
+dim of [..., V]; the verifiers take an optional leading batch dim N. All randomness comes in as tensors drawn
+outside compiled code (docs/compile.md, "Randomness drawn outside the graph").
 
 Two verification rules (docs/lossless.md has the proofs):
   - verify_chain_sampled: drafts sampled from q; accept with prob min(1, p/q), on rejection resample from the
@@ -69,11 +64,9 @@ def warp_logits(logits: Tensor, s: Sampling) -> Tensor:
 
 
 def tempered(logits: Tensor, temperature: float) -> Tensor:
-    """logits / temperature for any temperature > 0, without overflow: computed as (logits - max) / temperature
-    with the max set to exactly 0, so every entry is <= 0 and the row's best token keeps a finite value. The
-    plain quotient overflows to inf once temperature < ~max|logit| / 3.4e38 in float32 (1e-40 for logits near 1),
-    and softmax then gives NaN everywhere. Shifting a row by a constant leaves softmax, top-k, top-p and min-p
-    unchanged; temperature 1 is returned as is (bit for bit)."""
+    """logits / temperature for any temperature > 0, computed as (logits - max) / temperature with the max set to
+    exactly 0: the plain quotient overflows to inf for tiny temperatures (then softmax gives NaN), and the shift
+    changes no softmax or filter. Temperature 1 returns logits as they are."""
     if temperature == 1:
         return logits
     top = logits.amax(-1, keepdim=True)
@@ -93,9 +86,8 @@ def _mass_above(probs: Tensor) -> Tensor:
 
 def _mass_above_top(probs: Tensor, top: Tensor) -> Tensor:
     """_mass_above after a top-k filter, from the k kept positions `top` (the logits' topk indices, so their
-    probabilities are in non-increasing order) instead of a sort of the whole row: every other token is either
-    filtered (probability 0, already -inf) or tied with the k-th, and a tie shares the k-th's run and its mass
-    above. Sorting k numbers instead of V matters at real vocabularies (151936 for Qwen3, for every verify row)."""
+    probabilities are in non-increasing order) instead of a sort of the whole row of V: every other token is
+    either filtered (probability 0, already -inf) or tied with the k-th, sharing its run and its mass above."""
     sp = probs.gather(-1, top)
     above = _sums_above_sorted(sp)
     tied = torch.where(probs == sp[..., -1:], above[..., -1:], torch.full_like(probs, math.inf))
@@ -121,22 +113,16 @@ def warp_probs(logits: Tensor, s: Sampling) -> Tensor:
 
 
 def draw_noise(shape, generator: torch.Generator, device) -> Tensor:
-    """Uniform[0, 1) float64 numbers for `sample`: one per categorical draw (shape = the draws' shape, without the
-    vocabulary), so a draw costs one random number whatever V is. Call outside compiled code; the generator's
-    device = device."""
+    """Uniform[0, 1) float64 numbers for `sample`, one per categorical draw (shape: the draws', without V). Call
+    outside compiled code, with a generator on `device`."""
     return torch.rand(shape, dtype=torch.float64, generator=generator, device=device)
 
 
 def sample(probs: Tensor, noise: Tensor) -> Tensor:
-    """Categorical draw over the last dim without a host sync, by inversion: one uniform u per row.
-
-    With C the cumulative sums of probs in float64, token i is drawn iff C[i-1] <= u * C[-1] < C[i]: an interval
-    of width probs_i, so P(i) = probs_i / sum(probs) and `probs` need not be normalized. A zero-probability token
-    has an empty interval and is never drawn; the threshold is kept strictly below C[-1] (u * C[-1] reaches it
-    only at u = 1, the value padding rows get), so the draw is always a token of positive probability. Float32
-    probabilities are exact in float64 and each partial sum rounds by at most 2^-53 of the total, so every token's
-    probability is off by about 1e-16 (u itself is a multiple of 2^-53). Needs at least one positive entry per row.
-    noise: [...] for probs [..., V].
+    """Categorical draw over the last dim of probs [..., V] (unnormalized, at least one positive entry per row)
+    without a host sync, by inversion with one uniform per row, noise [...]: token i iff C[i-1] <= u * C[-1] < C[i]
+    for the float64 running sums C. The threshold stays below C[-1], so a draw always has positive probability
+    (docs/lossless.md, "Sampling without a host sync"; docs/compile.md, "A draw's threshold stays below the total").
     """
     cdf = probs.double().cumsum(-1)
     total = cdf[..., -1:]
@@ -145,15 +131,14 @@ def sample(probs: Tensor, noise: Tensor) -> Tensor:
 
 
 # Rows warped and sampled at a time (sample_rows): about this many logits, so that a verify of B + 1 rows over a
-# large vocabulary never holds its sorts and float64 CDFs for every row at once (513 x 151936 float64 is 0.6 GB).
+# large vocabulary never holds its sorts and float64 CDFs for every row at once.
 ROW_CHUNK_ELEMENTS = 2**23
 
 
 def sample_rows(logits: Tensor, noise: Tensor, s: Sampling):
     """The target's warped sample at every row of logits [N, R, V] with noise [N, R]: tokens [N, R], and whether
-    every drawn token of request n had a positive, finite probability [N]. Rows are independent, so they go
-    through warp and sample a chunk at a time (ROW_CHUNK_ELEMENTS): the same draws as all rows at once, with the
-    temporaries of one chunk."""
+    every drawn token of request n had a positive, finite probability [N]. Rows go a chunk at a time
+    (ROW_CHUNK_ELEMENTS): the same draws as all at once."""
     n, r, v = logits.shape
     flat, u = logits.reshape(n * r, v), noise.reshape(n * r)
     step = max(1, ROW_CHUNK_ELEMENTS // v)
@@ -174,20 +159,14 @@ def verify_chain_sampled(p: Tensor, q: Tensor, drafts: Tensor, accept_u: Tensor,
                          room: Tensor | None = None):
     """Speculative sampling (rejection + residual) on a chain of L sampled drafts.
 
-    p: [L+1, V] warped target probs (row i: after i drafts; row L gives the bonus token), q: [L, V] warped
-    draft probs, drafts: [L] long with drafts[i] ~ q[i], accept_u: [L] Uniform[0, 1), noise: [L+1] Uniform[0, 1)
-    (`sample`'s, one per position).
-    Returns (n_accepted, next_token), both 0-d long: drafts[:n_accepted] are accepted and next_token follows.
-    A leading batch dim N on every input verifies N independent chains: both outputs are then [N], and row n
-    equals the unbatched call on row n.
+    p: [L+1, V] warped target probs (row i: after i drafts), q: [L, V] warped draft probs, drafts: [L] long with
+    drafts[i] ~ q[i], accept_u: [L] and noise: [L+1] Uniform[0, 1). Returns (n_accepted, next_token), 0-d long
+    ([N] with a leading batch dim N on every input): drafts[:n_accepted] are accepted and next_token follows.
 
-    Draft i is accepted iff accept_u[i] * q_i(x) < p_i(x) (= prob min(1, p/q), never divides; q(x) = 0 accepts
-    iff p(x) > 0). The product is taken in float64, where a product of two float32 numbers is exact, so the test
-    is exactly u < p/q and the reference verifier can reproduce it bit for bit. Rejection at j: next_token ~
-    max(0, p_j - q_j) with noise[j]; if that residual is all zero (p_j <= q_j everywhere, only possible through
-    rounding) it falls back to p_j. All L accepted: next_token ~ p_L with noise[L].
-    room (0-d or [N], optional): only the first `room` drafts count (the positions left before the limit): the
-    result is the call on the first room drafts (p, noise: room + 1 rows), each shape kept.
+    Draft i is accepted iff accept_u[i] * q_i(x) < p_i(x) (= prob min(1, p/q)), in float64, where the product of
+    two float32 numbers is exact. Rejection at j: next_token ~ max(0, p_j - q_j) with noise[j], or p_j if that
+    residual is all zero (only through rounding). All L accepted: next_token ~ p_L with noise[L]. room (0-d or
+    [N], optional): the call on the first `room` drafts only (the positions left before the limit).
     """
     L = drafts.shape[-1]
     drafted = torch.ones_like(drafts, dtype=torch.bool) if room is None else \
@@ -213,14 +192,11 @@ def walk_tree(parents: Tensor, tokens: Tensor, target: Tensor, max_depth: int):
     """Follow the target's own tokens down a draft tree.
 
     Rows 0..B: row 0 is the root (the bonus token), row i+1 is node i, with token tokens[i] and parent row
-    parents[i] (< i+1: parents precede children; siblings have distinct tokens; padded nodes have parent -1 and
-    are never accepted). target: [B+1] the target's token at each row (argmax or warped sample). The tree's
-    depth must be <= max_depth (deeper nodes are never accepted).
-
-    Returns path [max_depth+1] (accepted rows from the root down, path[0] = 0, padded with 0), length (0-d,
-    = 1 + accepted nodes) and next_token = target[last accepted row]; all long. A leading batch dim N (parents
-    and tokens [N, B], target [N, B+1]) walks N independent trees: path [N, max_depth+1], length and next_token
-    [N].
+    parents[i] (< i+1; siblings have distinct tokens; padded nodes have parent -1 and are never accepted), as
+    draft_tree builds them. target: [B+1] the target's token at each row (argmax or warped sample). Nodes deeper
+    than max_depth are never accepted. Returns path [max_depth+1] (accepted rows from the root down, padded with
+    0), length (0-d, 1 + accepted nodes) and next_token = target[last accepted row]; all long, with a leading N
+    on every input and output for N trees.
     """
     B = parents.shape[-1]
     real = parents >= 0
