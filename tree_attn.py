@@ -1,23 +1,11 @@
 """Attention masks as FlexAttention BlockMasks, and KV compaction.
 
-Every attention call in the engine (prefill, decode, tree verify, the drafter's block) is the same shape of
-problem: `q_len` new rows whose K/V were just written into cache slots [prefix, prefix + q_len). Row i may see
-every committed slot below `prefix` and the new slots prefix + j for which allow[i, j] holds:
-
-    causal prefill / decode : allow = lower-triangular
-    tree verify             : allow = ancestor-or-self matrix of the draft tree
-    drafter block           : allow = all ones (bidirectional block over the context)
-
-So one mask_mod serves everything. It reads `prefix` and `allow` from tensors that are updated in place each
-round: a compiled kernel guards on the tensors' identity and shape, not their values, so new trees and new
-prefix lengths never recompile. We build the BlockMask from block tables ourselves (`from_kv_blocks`) rather than
-calling `create_block_mask`, which fails to compile on CPU for this kind of mask_mod (docs/compile.md), and we
-rewrite those tables in place as the prefix grows: the blocks wholly below the prefix are "full" (seen by every
-row, no mask_mod evaluated), the one or two after it are masked, the rest are not visited.
-
-Every model layer takes the BlockMask. On the CPU, attention under it runs elsewhere (cpu/, which a GPU reader can
-skip): compiled, our own kernel, which reads `prefix` and `allow` directly; eager, SDPA over the same mask_mod
-evaluated densely.
+Every attention call (prefill, decode, tree verify, the drafter's block) has `q_len` new rows written at cache
+slots [prefix, prefix + q_len); row i sees every slot below `prefix` and the new slots prefix + j that allow[i, j]
+marks (causal, ancestor-or-self, or all ones: docs/round.md, "One mask for every attention"). So one mask_mod serves
+all, reading `prefix`, `allow` and block tables that are rewritten in place, so that new trees and prefixes never
+recompile (docs/compile.md, "Masks updated in place"). The tables are built by hand (`from_kv_blocks`):
+`create_block_mask` fails to compile on CPU for this mask_mod (docs/compile.md, "create_block_mask on CPU").
 """
 
 import torch
@@ -31,12 +19,9 @@ def round_up(n: int, multiple: int = BLOCK) -> int:
 
 
 def flex_kernel_options(q_len: int, device_type: str) -> dict | None:
-    """FlexAttention's kernel options for a call of q_len query rows, or None for its defaults.
-
-    On CUDA, inductor sends a query of fewer than BLOCK rows (with a power-of-two GQA ratio) to its decoding
-    kernel, which under our masks is right for one row (plain decoding) but not for a few rows, nor compiles for
-    some (docs/compile.md, "FlexAttention's kernel per query length"). So every call of 2 to BLOCK - 1 rows (draft
-    blocks, verifies) takes the main Triton kernel."""
+    """FlexAttention's kernel options for a call of q_len query rows, or None for its defaults: on CUDA, every call
+    of 2 to BLOCK - 1 rows takes the main Triton kernel, as the decoding kernel inductor would pick is right under
+    our masks for one row only (docs/compile.md, "FlexAttention's kernel per query length")."""
     if device_type != "cuda" or q_len == 1 or q_len >= BLOCK:
         return None
     return {"BACKEND": "TRITON"} if "BACKEND" in FlexKernelOptions.__annotations__ else {
@@ -90,17 +75,16 @@ class PrefixMask:
         self.allow = torch.ones(batch, q_len, q_len, dtype=torch.uint8, device=device)
         if causal:
             self.allow.tril_()
-        # The blocks wholly below the prefix are "full": every row sees all their slots, so the kernel skips the
-        # mask_mod there (full_idx lists them from block 0 on; full_num says how many). The mask_mod decides
-        # only in the blocks from prefix // BLOCK on, which kv_indices lists; kv_num_blocks says how many. The
-        # C++ kernel wants the two index tensors distinct (docs/compile.md, "full-block tensors").
+        # The blocks wholly below the prefix are "full" (full_idx from block 0, full_num of them): the kernel skips
+        # the mask_mod there. kv_indices lists the masked blocks from prefix // BLOCK on, kv_num_blocks of them.
+        # The two index tensors must be distinct (docs/compile.md, "Full-block tensors").
         self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(batch, 1, n_q, n_kv, dtype=torch.int32, device=device)
         self.full_num = torch.zeros(batch, 1, n_q, dtype=torch.int32, device=device)
         full_idx = torch.arange(n_kv, dtype=torch.int32, device=device).expand(batch, 1, n_q, n_kv).contiguous()
         self.blocks = torch.arange(n_kv, dtype=torch.int32, device=device)
-        # The compiled steps write prefix, allow and the block tables in place. CUDA graph trees refuse graphs
-        # that mutate inputs they do not know to stay put (they would run the step uncaptured); these never move.
+        # Written in place by compiled steps: CUDA graphs capture those only for inputs known to stay put
+        # (docs/compile.md, "mark_static_address for CUDA graphs").
         for t in (self.prefix, self.allow, self.kv_num_blocks, self.kv_indices, self.full_num):
             torch._dynamo.mark_static_address(t)
         self.block_mask = prefix_block_mask(self.kv_num_blocks, self.kv_indices, self.full_num, full_idx,
@@ -118,9 +102,8 @@ class PrefixMask:
             # store it first (docs/compile.md, "as_strided before the mask reads it").
             self.allow.copy_(allow.as_strided(allow.shape, allow.stride()))
         # Visit only the KV blocks that can hold a visible slot: [0, prefix + q_len), per request; those below
-        # the prefix as full blocks. A window's or a context's rows see less: every block from that of the lowest
-        # slot any row sees on goes through the mask_mod (the first row's lowest, the window's and the context's
-        # bounds both holding for every row).
+        # the prefix as full blocks. With a window or a context, every block from the one of the lowest slot any
+        # row sees (the first row's) goes through the mask_mod.
         end = ((self.prefix + self.q_len + BLOCK - 1) // BLOCK).clamp(max=self.n_kv).to(torch.int32)
         if self.window is None and self.context is None:
             full = first = (self.prefix // BLOCK).clamp(max=self.n_kv).to(torch.int32)
@@ -141,11 +124,8 @@ class PrefixMask:
 
 def compact_kv(caches, prefix, rows: torch.Tensor):
     """Move the K/V of each request's accepted rows (slots prefix[n] + rows[n]) to contiguous slots prefix[n] + 0,
-    1, ... of its cache row. prefix [N], rows [N, R] (or 0-d and [R] for one request).
-
-    `rows` has a fixed length (padded with anything: the slots they land in lie beyond the new prefix and are
-    never attended before being overwritten), so this compiles to one gather and one scatter per cache.
-    """
+    1, ... of its cache row. prefix [N], rows [N, R] (or 0-d and [R] for one request); the padding of `rows` may
+    be anything: it lands past the new prefix, where nothing reads before it is overwritten."""
     prefix = torch.as_tensor(prefix, device=rows.device).view(-1, 1)
     rows = rows.view(prefix.shape[0], -1)
     src = prefix + rows
