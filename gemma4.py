@@ -22,6 +22,7 @@ import model
 from loading import (check_layer_count, eos_ids_of, load_weights, on_meta, parse_device, parse_dtype, read_json,
                      resolve_checkpoint, text_config)
 from model import Linear, allocate_kv_caches, rope_cos_sin, tie_or_keep_head
+from moe import checkpoint_places
 from rope import rope_frequencies
 from tree_attn import BLOCK, flex_kernel_options, prefix_block_mask
 
@@ -565,6 +566,8 @@ def from_pretrained(path_or_repo: str, device=None, dtype=None) -> Gemma4:
         device = tp.setup(device)
     dtype = parse_dtype(dtype, device)
     target = on_meta(lambda: Gemma4(config), where)
+    if config.enable_moe_block:  # its fused experts.gate_up_proj is split as Qwen3.5-MoE's is
+        target.checkpoint_places = checkpoint_places
     # launched by torchrun: this rank's shard, read as slices (tp.py)
     take = functools.partial(tp.take, shard(target)) if tp is not None and tp.enabled() else None
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()

@@ -2,7 +2,6 @@
 field, safetensors weights checked from their headers, then streamed one tensor at a time into the requested dtype
 and device. Nothing here defines a module: model.py and drafter.py call in."""
 
-import itertools
 import json
 import math
 import os
@@ -293,25 +292,12 @@ def checkpoint_tensors(model: nn.Module) -> dict:
 
 def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device, dtype, optional=frozenset(),
                  skip_prefixes: tuple = (), take=None, aliases=None):
-    """Stream every tensor from the safetensors files straight into `dtype` on `device`.
-
-    The model was built on the meta device, so the only host copies are one tensor at a time: an 8B bf16
-    checkpoint never materializes in fp32. A projection that the model stacks with others (stacked_parts) is
-    copied into its rows of the stacked weight as it is read, and a MoE checkpoint's per-expert tensors into their
-    slice of the stacked expert weights (no second copy); a fused experts.gate_up_proj [E, 2I, H] is split into the
-    gate (first I rows) and up halves. Missing or unexpected tensors are errors, not silent random weights, and
-    are named as the checkpoint names them. strip_prefix: one prefix or several, of which the checkpoint uses
-    the first that some tensor name starts with (a file of one layout holding tensors under another's prefix has
-    unexpected tensors, as transformers finds them); `lm_head.weight` is read unprefixed only. optional: names
-    read when present and not required; tensors whose file name starts with one of skip_prefixes are not read.
-    take(name, stored): what to read of the tensor `name` (prefix stripped) from its safetensors slice (a rank's
-    shard under tensor parallel, tp.take); None reads every tensor whole. aliases: {a name the file may store a
-    tensor under: the model's name for it}.
-
-    Everything is checked from the files' headers before anything is allocated or read (place_tensors): every
-    shape against what config.json implies, every type floating-point, every tensor the model needs present
-    once, so sizes config.json claims beyond what the files hold allocate nothing.
-    """
+    """Stream every tensor from the safetensors files straight into `dtype` on `device` (docs/checkpoints.md,
+    "Loading"): the model was built on meta, so the only host copies are one tensor at a time. Everything is
+    checked from the headers first (place_tensors). strip_prefix: one prefix or several, of which the checkpoint
+    uses the first that some tensor name starts with (`lm_head.weight` is read unprefixed only). optional: names
+    read when present; skip_prefixes: tensors not read. take(name, stored): what to read of a tensor from its
+    safetensors slice (a rank's shard, tp.take; None: whole). aliases: {a name the file may use: the model's}."""
     files = safetensors_files(path)
     header = read_header(files, skip_prefixes)
     prefix = layout_prefix(header, (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix))
@@ -325,20 +311,14 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
     read = None if take is None else (lambda key, stored: take(stripped(key), stored))
     for file in files:
         for key, t in read_tensors(file, [k for k in places if header[k][0] == file], read):
-            name, index = places[key]
-            if isinstance(index, tuple):  # rows [start, stop) of a stacked weight
-                if name not in loaded:
+            for name, index, part in places[key]:
+                piece = t if part is None else t[part]
+                if index is None:
+                    loaded[name] = piece.to(device=device, dtype=dtype)
+                    continue
+                if name not in loaded:  # a stacked weight, filled part by part as its tensors are read
                     loaded[name] = torch.empty(model.get_parameter(name).shape, device=device, dtype=dtype)
-                loaded[name][index[0]:index[1]].copy_(t)
-            elif index == "gate_up":  # [E, 2I, H]: gate rows first, then up
-                gate, up = f"{name}.gate_proj", f"{name}.up_proj"
-                loaded[gate], loaded[up] = (h.to(device=device, dtype=dtype) for h in t.split(t.shape[1] // 2, dim=1))
-            elif index is not None:  # expert `index` of a stacked expert weight
-                if name not in loaded:
-                    loaded[name] = torch.empty(model.get_parameter(name).shape, device=device, dtype=dtype)
-                loaded[name][index].copy_(t)
-            else:
-                loaded[name] = t.to(device=device, dtype=dtype)
+                loaded[name][index].copy_(piece)
             del t
     model.load_state_dict(loaded, strict=False, assign=True)
     # (remove_duplicate=False: a tied lm_head still points at the meta tensor until the caller re-ties it)
@@ -347,28 +327,27 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
 
 
 def place_tensors(model: nn.Module, path: str, header: dict, stripped, optional, take) -> dict:
-    """{checkpoint tensor name: (the model's tensor it goes to, where in it)} from the files' headers alone:
-    where is None (the whole tensor), (start, stop) (rows of a stacked weight: stacked_parts), an expert's index
-    (its slice of stacked expert weights) or "gate_up" (a fused experts.gate_up_proj, whose name is then the
-    experts' module). Raises, naming the file and tensor, on a tensor the model has no place for, a shape
-    config.json contradicts, weights that are not floating-point, two tensors for one place, an expert index past
-    the config's, and missing tensors or experts; nothing is allocated."""
+    """{checkpoint tensor name: [(the model's tensor it goes to, index into that tensor or None for all of it, part
+    of the stored tensor or None)]} from the files' headers alone. Raises, naming the file and tensor, on a tensor
+    the model has no place for, a shape config.json contradicts, weights that are not floating-point, two tensors
+    for one place, and missing tensors; nothing is allocated. A model with a `checkpoint_places` hook (moe.py's
+    experts) places the names it knows itself."""
     parts = stacked_parts(model)
     stacked = {name for name, _, _ in parts.values()}
     # (remove_duplicate=False: a tied lm_head is the embeddings' parameter, and still a tensor the file may hold)
     wanted = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False) if name not in stacked}
     wanted.update((name, b.shape) for name, b in model.named_buffers() if name != "inv_freq")
-    places, given, experts = {}, {}, {}
+    names = {stripped(key): (file, key) for key, (file, _, _) in header.items()}
+    hooked, complete = model.checkpoint_places(names, wanted, path) if hasattr(model, "checkpoint_places") else \
+        ({}, set)
+    places, given = {}, {}
     for key, (file, stored_shape, stored_dtype) in header.items():
         name = stripped(key)
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        place, shape, covers = tensor_place(name, wanted, parts, model)
-        if place is None:
+        puts, shape, covers = hooked.get(name) or tensor_place(name, wanted, parts, model)
+        if puts is None:
             raise ValueError(f"{file}: unexpected tensor {key!r} (is this the right kind of checkpoint?)")
-        if isinstance(place[1], int) and place[1] >= wanted[place[0]][0]:
-            raise ValueError(f"{file}: tensor {key!r} names expert {place[1]}, config.json has "
-                             f"{wanted[place[0]][0]} experts")
         read_shape = stored_shape if take is None else read_shape_of(take, name, stored_shape, file)
         if tuple(read_shape) != tuple(shape):
             raise ValueError(f"{file}: tensor {key!r} has shape {tuple(read_shape)}, config.json implies "
@@ -377,40 +356,23 @@ def place_tensors(model: nn.Module, path: str, header: dict, stripped, optional,
             raise ValueError(f"{file}: tensor {key!r} holds {stored_dtype}, not floating-point weights")
         for c in covers:
             if c in given:
-                held = c if isinstance(c, str) else f"expert {c[1]} of {c[0]}"
-                raise ValueError(f"{path}: tensors {given[c]!r} and {key!r} both hold {held}")
+                raise ValueError(f"{path}: tensors {given[c]!r} and {key!r} both hold {c}")
             given[c] = key
-        if isinstance(place[1], int):
-            experts.setdefault(place[0], set()).add(place[1])
-        places[key] = place
-    for name, read in experts.items():
-        count = wanted[name][0]
-        if len(read) < count:
-            absent = list(itertools.islice((i for i in range(count) if i not in read), 8))
-            raise ValueError(f"{path}: checkpoint lacks experts {absent} of {name} ({count - len(read)} of {count})")
-    missing = sorted(n for n in (set(wanted) - set(experts)) | set(parts) if n not in given and n not in optional)
+        places[key] = puts
+    missing = sorted(n for n in (set(wanted) - complete()) | set(parts) if n not in given and n not in optional)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return places
 
 
 def tensor_place(name: str, wanted: dict, parts: dict, model: nn.Module) -> tuple:
-    """(place as place_tensors gives it, the shape config.json implies, the names it fills) of the checkpoint
+    """(places as place_tensors gives them, the shape config.json implies, the names it fills) of the checkpoint
     tensor `name`, or (None, None, ()) when the model has no place for it."""
     if name in parts:  # rows [start, stop) of a stacked weight
         whole, start, stop = parts[name]
-        return (whole, (start, stop)), (stop - start, model.get_parameter(whole).shape[1]), (name,)
-    fused = FUSED_GATE_UP.match(name)
-    if fused and f"{fused[1]}.gate_proj" in wanted:
-        gate, up = f"{fused[1]}.gate_proj", f"{fused[1]}.up_proj"
-        E, inter, hidden = wanted[gate]
-        return (fused[1], "gate_up"), (E, 2 * inter, hidden), (gate, up)
-    expert = EXPERT_TENSOR.match(name)
-    if expert and f"{expert[1]}.{expert[3]}" in wanted:  # slice e of layers.{i}.mlp.experts.{proj}
-        stacked, index = f"{expert[1]}.{expert[3]}", int(expert[2])
-        return (stacked, index), wanted[stacked][1:], ((stacked, index),)
+        return [(whole, slice(start, stop), None)], (stop - start, model.get_parameter(whole).shape[1]), (name,)
     if name in wanted:
-        return (name, None), wanted[name], (name,)
+        return [(name, None, None)], wanted[name], (name,)
     return None, None, ()
 
 
@@ -485,10 +447,6 @@ def check_layer_count(path: str, layers: int, where: str, skip_prefixes: tuple =
     if layers > len(held):
         holder = os.path.basename(files[0]) if len(files) == 1 else "the shards of model.safetensors.index.json"
         raise ValueError(f"{where}: num_hidden_layers={layers}, but {holder} holds {len(held)} layers")
-
-
-EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d{1,18})\.(gate_proj|up_proj|down_proj)\.weight$")
-FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
 
 
 def read_tensors(file: str, keys: list[str], take=None):

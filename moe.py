@@ -2,6 +2,8 @@
 that families.py swaps into the sparse layers of a dense Qwen3 after it is built, routing, and three ways for rows to
 meet their experts, chosen per compiled graph from shapes and the device alone."""
 
+import itertools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -67,12 +69,50 @@ def qwen3_5_moe_fields(d: dict, where: str) -> dict:
 
 
 def apply(model, c: MoEConfig):
-    """The sparse MLP in place of the dense one in each sparse layer of a target built on meta."""
+    """The sparse MLP in place of the dense one in each sparse layer of a target built on meta, and the loader's
+    hook for the experts' checkpoint names."""
+    model.checkpoint_places = checkpoint_places
     hidden = model.config.hidden_size
     for i, layer in enumerate(model.layers):
         if c.sparse(i):
             layer.mlp = SparseMoE(hidden, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
                                   c.norm_topk_prob, shared_inter=c.shared_expert_intermediate_size)
+
+
+EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d{1,18})\.(gate_proj|up_proj|down_proj)\.weight$")
+FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
+
+
+def checkpoint_places(names: dict, wanted: dict, path: str) -> tuple:
+    """The loader's hook (loading.place_tensors) for stacked [E, out, in] expert weights: ({name: (places, shape,
+    covers) as loading.tensor_place gives them} of each per-expert tensor (its expert's slice) and each fused
+    experts.gate_up_proj [E, 2I, H] (gate: the first I rows; up: the rest), and a function giving the stacked
+    weights whose every expert is given, else raising). names: {name, prefix stripped: (file, name as stored)}."""
+    places, read = {}, {}
+    for name, (file, key) in names.items():
+        fused, expert = FUSED_GATE_UP.match(name), EXPERT_TENSOR.match(name)
+        if fused and f"{fused[1]}.gate_proj" in wanted:
+            gate, up = f"{fused[1]}.gate_proj", f"{fused[1]}.up_proj"
+            E, inter, hidden = wanted[gate]
+            halves = [(gate, None, (slice(None), slice(0, inter))), (up, None, (slice(None), slice(inter, None)))]
+            places[name] = halves, (E, 2 * inter, hidden), (gate, up)
+        elif expert and f"{expert[1]}.{expert[3]}" in wanted:  # slice e of layers.{i}.mlp.experts.{proj}
+            stacked, index = f"{expert[1]}.{expert[3]}", int(expert[2])
+            if index >= wanted[stacked][0]:
+                raise ValueError(f"{file}: tensor {key!r} names expert {index}, config.json has "
+                                 f"{wanted[stacked][0]} experts")
+            places[name] = [(stacked, index, None)], wanted[stacked][1:], (f"expert {index} of {stacked}",)
+            read.setdefault(stacked, set()).add(index)
+
+    def complete() -> set:  # called once every tensor's shape is checked: a shape error is the clearer one
+        for stacked, indices in read.items():
+            count = wanted[stacked][0]
+            if len(indices) < count:
+                absent = list(itertools.islice((i for i in range(count) if i not in indices), 8))
+                raise ValueError(f"{path}: checkpoint lacks experts {absent} of {stacked} ({count - len(indices)} "
+                                 f"of {count})")
+        return set(read)
+    return places, complete
 
 
 class SparseMoE(nn.Module):
