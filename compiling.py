@@ -1,9 +1,5 @@
-"""How an engine's steps are compiled and called: torch.compile with CUDA graphs on a GPU (the CPU's compile behind
-cpu.compile_round), the guards a compiled step checks per call, and an inductor cache that can be written.
-
-The engine's round and prefill chunk are fullgraph functions of fixed shapes: one graph each per engine shape,
-replayed every round. docs/compile.md explains each choice made here.
-"""
+"""How an engine's round and prefill step are compiled (fullgraph, fixed shapes) and called, and an inductor cache
+that can be written (docs/compile.md)."""
 
 import contextlib
 import functools
@@ -15,15 +11,9 @@ import torch
 
 
 def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
-    """The engine's (round, prefill step) as this device runs them, the inductor options its compiling calls set
-    (guards), and the seconds spent preparing them (on the CPU, building its attention kernel; 0 on a GPU). With
-    compile False they stay eager. On the CPU the models take cpu/'s layer classes here, eager or compiled
-    (cpu.compile_round). The prefill step is compiled where prefill_compiled says.
-
-    One graph per fixed shape (prefill chunk, round). dynamic=False: a graph that went dynamic on the query length
-    fails to build on the CPU (docs/compile.md). Engines compile the same methods, so they share one cache per
-    method: an engine whose tensors and settings match an earlier one's reuses its graphs (which read the models
-    and masks through the engine at each call); frozen graphs are per engine."""
+    """(round, prefill step) as this device runs them, the inductor options for guards(), and the seconds spent
+    preparing them (the CPU's attention kernel; 0 on a GPU); eager with compile False. dynamic=False: a graph
+    dynamic on the query length fails to build on the CPU (docs/compile.md)."""
     if compile:
         # Room for a few engines (settings, budgets) before dynamo falls back to eager.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -42,25 +32,20 @@ def compile_steps(round_fn, prefill_step, target, drafter, compile: bool | str):
 
 
 def prefill_compiled(compile: bool | str, device_type: str) -> bool:
-    """Whether compile_steps compiles an engine's prefill step: when it compiles, except on the CPU, where the
-    prefill stays eager (docs/compile.md, "Eager prefill on CPU")."""
+    """Whether compile_steps compiles the prefill step: not on the CPU (docs/compile.md, "Eager prefill on CPU")."""
     return bool(compile) and device_type != "cpu"
 
 
 def graph_warmup_calls(compile, device_type: str) -> int:
-    """Calls of each compiled step before its graph runs as it will: CUDA graph trees run a function's first call
-    as a warm-up and record its graph on the second (torch/_inductor/cudagraph_trees.py); plain graphs are built
-    by the first call."""
+    """Calls of a compiled step before its graph runs as it will: CUDA graph trees warm up on the first and record
+    on the second."""
     return 2 if compile and device_type == "cuda" else 1
 
 
 def guards(options: dict, check: bool):
-    """The context of a compiled step's call (a plain call for an eager one). With `check`, every guard is
-    evaluated and `options` (inductor's, for a compile) are set: only such a call can compile. Without, only the
-    guards that tell the step's graphs apart are (every tensor that is not a parameter, and whatever once made a
-    graph recompile), and a call that would recompile is an error instead, so it needs no options and does not pay
-    for setting them: a step sees the same objects and shapes at every round of a run (docs/compile.md, "Guards
-    checked once per run")."""
+    """The context of a compiled step's call: with `check`, every guard evaluated and inductor's `options` set (only
+    such a call can compile); without, guard evaluation skipped, as a step sees the same objects and shapes every
+    round (docs/compile.md, "Guards checked once per run")."""
     if not check:
         return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
     return torch._inductor.config.patch(options) if options else contextlib.nullcontext()
@@ -68,9 +53,8 @@ def guards(options: dict, check: bool):
 
 @functools.cache
 def writable_inductor_cache():
-    """Inductor writes every compiled kernel under TORCHINDUCTOR_CACHE_DIR (default: the temporary directory's
-    torchinductor_<user>); where that cannot be written, a compile dies deep inside a worker thread. Checked once
-    per process: an unwritable one is replaced by a private temporary directory for this process, with one warning."""
+    """An unwritable inductor cache (a compile would die deep in a worker thread) replaced by a private temporary
+    directory for this process, with one warning; checked once per process."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     try:
         path = cache_dir()  # makes it if need be

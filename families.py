@@ -1,11 +1,6 @@
-"""Which family modules a target needs, and their application after the dense Qwen3 is built (docs/families.md).
-
-The one place that reads config.json (and torchrun's environment) to decide what goes beyond the dense core, the way
-gpt-fast applies its tp.py after load from the entry point: Qwen3-MoE (moe.py: the sparse MLP of sparse layers), the
-Qwen3.5 / 3.6 hybrids (hybrid.py: Gated DeltaNet layers, zero-centred norms, the gated attention, partial RoPE),
-RoPE scaling (rope.py: the frequencies and attention factor), tensor parallel (tp.py: each rank's shard, read as
-slices). Each module is imported only when a config or the environment needs it; none is imported by the core.
-"""
+"""Which family modules (moe, hybrid, rope, tp, gemma4, dflash2) a target needs, from config.json and torchrun's
+environment, and their application after the dense Qwen3 is built; each imported only when needed
+(docs/families.md)."""
 
 import importlib
 import os
@@ -15,9 +10,7 @@ from loading import dense_fields, dflash_architecture, plain_rope_given, text_co
 
 
 def family(name: str):
-    """The family module `name`, imported now that a config or the environment asks for it. By name: a family
-    module imports the core it builds on, and the core reaches it only through this hand-over, so no import
-    statement leads from the core back to a family (scripts/core_size.py lists these hand-overs apart)."""
+    """The family module `name`, imported by name so that no import statement leads from the core to a family."""
     return importlib.import_module(name)
 
 
@@ -44,9 +37,8 @@ def is_moe(d: dict, moe: bool | None = None) -> bool:
 
 
 def other_loader(d: dict, where: str):
-    """The from_pretrained(path, device, dtype) of another family's own target class when config.json names one;
-    None for the Qwen3 families, which Qwen3.from_pretrained builds; an error for anything else. A family with a
-    target class of its own is recognized here, from config.json alone, and its module imported only then."""
+    """The from_pretrained(path, device, dtype) of another family's target class that config.json names; None for
+    the Qwen3 families; an error for anything else."""
     model_type, archs = d.get("model_type"), d.get("architectures") or []
     archs = archs if isinstance(archs, list) else []
     if hybrid_kind(d) or model_type in ("qwen3", "qwen3_moe") or \
@@ -66,9 +58,8 @@ def drafter_class(d: dict, where: str, dense_class):
 
 
 def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) -> dict:
-    """model.Qwen3Config's fields from a config.json dict: the dense fields (loading.dense_fields), then each
-    family's own, read and checked by its module. moe: read the MoE fields (default: when the file says
-    qwen3_moe)."""
+    """model.Qwen3Config's fields from a config.json dict: the dense ones, then each family's. moe: read the MoE
+    fields (default: when the file says qwen3_moe)."""
     if hybrid_kind(d):
         text, text_where = text_config(d, where)
         return family("hybrid").config_fields(text, text_where, hybrid_kind(text) or hybrid_kind(d), rope_reader(text))
@@ -80,8 +71,7 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
 
 
 def rope_reader(d: dict):
-    """What reads the config's RoPE for loading.dense_fields: rope.rope_fields when the file names more than plain
-    RoPE (loading.plain_rope_given), else None (plain RoPE, the core's)."""
+    """rope.rope_fields when the config names more than plain RoPE, else None (the core's plain_rope)."""
     if plain_rope_given(d):
         return None
     return family("rope").rope_fields
@@ -95,11 +85,9 @@ def checkpoint_prefixes(d: dict) -> tuple[tuple, tuple]:
 
 
 def build(dense_class, config):
-    """The target for `config`: the dense class, or the hybrid's own (hybrid.Qwen3_5, which swaps its layers), then
-    the MoE's sparse MLPs swapped in (moe.apply)."""
+    """The target for `config`: the dense class or hybrid.Qwen3_5, then the MoE's sparse MLPs (moe.apply)."""
     with warnings.catch_warnings():
-        # A MoE target whose every layer is sparse (intermediate_size 0) builds zero-width dense MLPs first, which
-        # moe.apply replaces: torch's warning that it cannot initialize them says nothing here.
+        # An all-sparse MoE target builds zero-width dense MLPs first, which moe.apply replaces.
         warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op")
         if config.hybrid is not None:
             model = family("hybrid").Qwen3_5(config)
@@ -116,8 +104,8 @@ def scaled_rope(config, device=None):
 
 
 def position_limit(config) -> tuple[int, str]:
-    """The most positions (prompt + new tokens) a request may reach and where that number comes from:
-    max_position_embeddings, or the longer window a RoPE scaling is for (rope.position_limit)."""
+    """(the most positions a request may reach, where that number comes from): max_position_embeddings, or a
+    RoPE scaling's (rope.position_limit)."""
     if config.rope_scaling["rope_type"] == "default":
         return config.max_position_embeddings, "the target's max_position_embeddings"
     return family("rope").position_limit(config)
@@ -129,8 +117,7 @@ def parallel() -> bool:
 
 
 def parallel_device(device):
-    """(this rank's device, a function giving a model built on meta its shard's take(name, stored) for
-    loading.load_weights, or None): under torchrun tensor parallel (tp.py), else (device, None)."""
+    """(this rank's device, tp.taker or None): tensor parallel under torchrun (tp.py), else (device, None)."""
     if not parallel():
         return device, None
     tp = family("tp")

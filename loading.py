@@ -1,6 +1,5 @@
-"""Loading: checkpoint files (a local directory, or a Hub repo fetched once), config.json read and checked field by
-field, safetensors weights checked from their headers, then streamed one tensor at a time into the requested dtype
-and device. Nothing here defines a module: model.py and drafter.py call in."""
+"""Loading: checkpoint files, config.json checked field by field, safetensors weights checked from their headers and
+streamed one tensor at a time into the requested dtype and device (docs/checkpoints.md)."""
 
 import json
 import math
@@ -15,11 +14,8 @@ from safetensors import SafetensorError, safe_open
 
 
 def text_config(d: dict, where: str) -> tuple[dict, str]:
-    """The text model's fields of a config: Qwen3_5ForConditionalGeneration files nest them in `text_config`
-    (the vision tower's in `vision_config`, unused), RoPE included: a top-level RoPE key that says otherwise is
-    refused. tie_word_embeddings of the outer config is the one transformers ties by there, its default (false)
-    included: an inner value alone does not tie; eos_token_id is taken from the outer config too when the text part
-    has none."""
+    """(the text model's fields, where) of a config that may nest them in `text_config` (Qwen3.5): the outer
+    tie_word_embeddings is the one transformers ties by, and the outer eos_token_id fills an absent inner one."""
     inner = d.get("text_config")
     if inner is None:
         return d, where
@@ -39,12 +35,10 @@ def text_config(d: dict, where: str) -> tuple[dict, str]:
 
 def dense_fields(d: dict, where: str = "config.json", family: str = "qwen3", defaults: dict | None = None,
                  mlp: bool = True, partial_default: float | None = None, rope_reader=None) -> dict:
-    """The fields of model.Qwen3Config from a config.json dict (transformers v4 and v5 layouts): every field that
-    changes the computation is read or refused (docs/checkpoints.md lists them), every value type-checked. A family
-    (families.py) reads its own fields beside these: `family` and `defaults` (transformers' head_dim and
-    num_key_value_heads for a file without them) are its, mlp=False for one without a dense MLP in every layer,
-    and partial_default for one with partial RoPE and layer kinds of its own, which it checks itself. rope_reader:
-    what reads a RoPE beyond plain RoPE (rope.rope_fields, families.rope_reader), else plain_rope."""
+    """model.Qwen3Config's fields from a config.json dict, every field that changes the computation read or refused
+    (docs/checkpoints.md). A family passes its name and `defaults` (head_dim, num_key_value_heads), mlp=False when
+    not every layer has a dense MLP, partial_default when it checks its own partial RoPE and layer kinds, and a
+    rope_reader for a RoPE beyond plain RoPE (families.rope_reader)."""
     defaults = defaults or DENSE_DEFAULTS
     needed = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") + \
         (("intermediate_size",) if mlp else ())
@@ -59,8 +53,8 @@ def dense_fields(d: dict, where: str = "config.json", family: str = "qwen3", def
         sizes["intermediate_size"] = positive(where, d, "intermediate_size", default=1) if \
             d.get("intermediate_size") is not None else 0
     heads = sizes["num_attention_heads"]
-    # A field absent from the file takes transformers' default for the family (a null num_key_value_heads means
-    # as many as the heads, as transformers reads it); `defaulted` names them for a later shape error.
+    # An absent field takes transformers' default (a null num_key_value_heads: as many as the heads); `defaulted`
+    # names them for a later shape error.
     kv_heads = positive(where, d, "num_key_value_heads") if d.get("num_key_value_heads") is not None else \
         heads if "num_key_value_heads" in d else defaults["num_key_value_heads"]
     if d.get("head_dim") is not None:
@@ -116,9 +110,8 @@ DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default
 
 
 def plain_rope_given(d: dict) -> bool:
-    """Whether a config's RoPE is plain RoPE, which plain_rope reads: no rope_scaling block (or an empty one) and a
-    rope_parameters of rope type "default" (or none). Any other block, malformed ones included, is rope.py's to
-    read (families.rope_reader)."""
+    """Whether a config's RoPE is plain (no rope_scaling, rope type "default"); any other, malformed included, is
+    rope.py's to read."""
     scaling, given = d.get("rope_scaling"), d.get("rope_parameters")
     if scaling is not None and scaling != {}:
         return False
@@ -127,9 +120,8 @@ def plain_rope_given(d: dict) -> bool:
 
 
 def plain_rope(d: dict, where: str, partial_default: float | None, max_positions: int) -> dict:
-    """The RoPE parameters of a config whose RoPE is plain (plain_rope_given), as transformers 5.24 settles them:
-    rope_parameters' rope_theta, else the top-level one, else transformers' default (10000); partial_rotary_factor
-    likewise (else the family's default, `partial_default`); "scaling": Qwen3Config.rope_scaling."""
+    """The plain RoPE's parameters as transformers settles them: rope_parameters' value, else the top-level one,
+    else the default; "scaling": Qwen3Config.rope_scaling."""
     params = dict(d.get("rope_parameters") or {})
     params.setdefault("rope_theta", d.get("rope_theta", DEFAULT_ROPE_THETA))
     partial = d.get("partial_rotary_factor", partial_default)
@@ -149,15 +141,13 @@ def defaulted_note(defaulted: tuple, family: str = "") -> str:
 DENSE_DEFAULTS = dict(head_dim=128, num_key_value_heads=32)
 
 
-# No checkpoint's size comes near these; past them a config.json is refused before anything is sized by it
-# (a list per layer, a module per layer, a tensor's int64 size).
+# Past these (no model comes near) a config.json is refused before anything is sized by it.
 MAX_SIZE = 2**31 - 1
 MAX_LAYERS = 2**20
 
 
 def positive(where: str, d: dict, key: str, kind=int, default=None):
-    """d[key] (or `default` when absent) checked to be a positive `kind` (int, or float where ints are fine too);
-    an int at most MAX_SIZE."""
+    """d[key] (or `default`) checked to be a positive `kind` (int at most MAX_SIZE, or float)."""
     value = d.get(key, default)
     ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
     if not ok or not value > 0 or value == float("inf"):
@@ -172,7 +162,7 @@ HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
 
 
 def resolve_checkpoint(path_or_repo: str, what: str = "checkpoint") -> str:
-    """A local directory, or a Hugging Face repo id fetched (config, weights, tokenizer only) into the cache."""
+    """A local directory, or a Hugging Face repo id fetched into the cache."""
     if os.path.isdir(path_or_repo):
         if not os.path.isfile(os.path.join(path_or_repo, "config.json")):
             raise ValueError(f"{what} directory {path_or_repo!r} has no config.json")
@@ -189,7 +179,7 @@ def resolve_checkpoint(path_or_repo: str, what: str = "checkpoint") -> str:
 
 
 def read_json(path: str) -> dict:
-    """A JSON object from `path`; anything else (invalid JSON, not UTF-8, an array...) is an error naming the file."""
+    """A JSON object from `path`; anything else is an error naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
@@ -255,9 +245,8 @@ def safetensors_files(path: str) -> list[str]:
 
 
 def check_inside(name: str, index: str):
-    """A shard file the index names must lie in the checkpoint's directory (or below it), as the Hub lays shards
-    out: an absolute path or one through `..` would load weights from anywhere. The name is judged, not where
-    it resolves to: a file inside that is a symlink (the Hub's cache links each file to its blob) stays allowed."""
+    """A shard the index names lies inside the checkpoint's directory: judged by the name, not where it resolves to
+    (the Hub's cache links each file to its blob)."""
     parts = name.replace("\\", "/").split("/")
     if not name or "\0" in name or os.path.isabs(name) or ".." in parts or os.path.splitdrive(name)[0]:
         raise ValueError(f"{index}: weight_map names {name!r}, which is not a file inside the checkpoint's "
@@ -265,9 +254,8 @@ def check_inside(name: str, index: str):
 
 
 def stacked_parts(model: nn.Module) -> dict:
-    """{checkpoint tensor name: (parameter name, first row, last row + 1)} for every part of a Linear that stacks
-    several of the checkpoint's projections (model.Linear's `parts`): layers.0.self_attn.k_proj.weight is rows
-    [q, q + kv) of layers.0.self_attn.qkv_proj.weight."""
+    """{checkpoint tensor name: (parameter name, first row, last row + 1)} of each projection a Linear stacks
+    (model.Linear's `parts`): k_proj.weight is rows [q, q + kv) of qkv_proj.weight."""
     out = {}
     for name, m in model.named_modules():
         if getattr(m, "parts", None):
@@ -280,8 +268,7 @@ def stacked_parts(model: nn.Module) -> dict:
 
 
 def checkpoint_tensors(model: nn.Module) -> dict:
-    """The module's state under the checkpoint's names: each stacked weight cut back into the projections it holds
-    (stacked_parts), the rest as they are."""
+    """The module's state under the checkpoint's names, each stacked weight cut back into its projections."""
     parts = stacked_parts(model)
     state = dict(model.state_dict())
     out = {name: state.pop(name) for name in list(state) if name not in {p for p, _, _ in parts.values()}}
@@ -377,8 +364,7 @@ def tensor_place(name: str, wanted: dict, parts: dict, model: nn.Module) -> tupl
 
 
 class HeaderSlice:
-    """A stored tensor known by its header's shape, sliced as safe_open's get_slice is, on the meta device: the
-    shape `take` reads of it, before anything is read."""
+    """A stored tensor known by its header's shape, sliced on meta as safe_open's get_slice is."""
 
     def __init__(self, shape):
         self.shape = list(shape)
@@ -403,9 +389,8 @@ def layout_prefix(header: dict, prefixes: tuple) -> str:
 
 
 def read_header(files: list[str], skip_prefixes: tuple = ()) -> dict:
-    """{tensor name: (file, shape, safetensors dtype name)} of the checkpoint's files, from their headers (no
-    tensor data read), leaving out the names that start with one of skip_prefixes. A name stored twice, or a file
-    that is not valid safetensors (truncated, empty, a corrupt header), is an error naming the file."""
+    """{tensor name: (file, shape, safetensors dtype name)} from the files' headers, less skip_prefixes; a name
+    stored twice or an unreadable file is an error naming the file."""
     header = {}
     for file in files:
         try:
@@ -423,8 +408,7 @@ def read_header(files: list[str], skip_prefixes: tuple = ()) -> dict:
 
 
 def on_meta(build, where: str):
-    """build() on the meta device, where no memory is taken; sizes so large that a tensor's size in bytes passes
-    torch's int64 (each size within MAX_SIZE, their product not) are an error naming the config."""
+    """build() on the meta device; sizes whose product passes torch's int64 are an error naming the config."""
     try:
         with torch.device("meta"):
             return build()
@@ -439,9 +423,8 @@ LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")
 
 
 def check_layer_count(path: str, layers: int, where: str, skip_prefixes: tuple = ()):
-    """config.json's num_hidden_layers against the layers the weights hold (the distinct layers.{i}. of their
-    tensor names, from the headers): a module is built per claimed layer before the weights are read, so a claim
-    past the files is refused first."""
+    """config.json's num_hidden_layers against the distinct layers.{i}. of the headers' names: a module is built
+    per claimed layer before any weight is read."""
     files = safetensors_files(path)
     held = {m[1] for key in read_header(files, skip_prefixes) if (m := LAYER_INDEX.search(key))}
     if layers > len(held):
@@ -450,9 +433,7 @@ def check_layer_count(path: str, layers: int, where: str, skip_prefixes: tuple =
 
 
 def read_tensors(file: str, keys: list[str], take=None):
-    """(name, tensor) pairs of one safetensors file for the names `keys`, one tensor at a time; a file that is
-    not valid safetensors is an error naming it. take(name, stored): the part to read of each tensor from its
-    slice (whole when None)."""
+    """(name, tensor) pairs of one safetensors file, one at a time; take(name, stored): the part to read."""
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in keys:
@@ -469,9 +450,8 @@ def read_tensors(file: str, keys: list[str], take=None):
 
 
 def eos_ids_of(path: str, config: dict, vocab: int) -> list[int]:
-    """End-of-sequence ids: generation_config.json first (Qwen3 lists <|im_end|> and <|endoftext|>), then config.
-    An id the target cannot produce (not below vocab) could never stop a run: it is left out, with a warning
-    naming the file (a stop id past the vocabulary given to generate() is an error instead)."""
+    """End-of-sequence ids: generation_config.json's, then config's; one not below vocab is left out, with a
+    warning."""
     generation = os.path.join(path, "generation_config.json")
     ids = []
     for source, d in ((generation, read_json(generation) if os.path.isfile(generation) else {}),
@@ -503,15 +483,13 @@ def dflash_architecture(d: dict, where: str = "config.json") -> str:
 
 
 def dflash_setting(d: dict, key: str, default=None):
-    """A DFlash setting, read as z-lab's `dflash` package reads it: from `dflash_config` first, else from the top
-    level."""
+    """A DFlash setting, as z-lab's `dflash` reads it: from `dflash_config`, else the top level."""
     return (d.get("dflash_config") or {}).get(key, d.get(key, default))
 
 
 def dflash_config_fields(d: dict, where: str = "config.json", rope_reader=None) -> dict:
-    """drafter.DFlashConfig's fields from a z-lab DFlash config.json, every value checked; its own layers' Qwen3
-    fields as "model" (dense, whatever its target; its RoPE read by rope_reader, families.rope_reader). A family's
-    own fields (DFlash 2's) are its module's."""
+    """drafter.DFlashConfig's fields from a z-lab DFlash config.json, every value checked; its layers' Qwen3
+    fields as "model"."""
     dflash_architecture(d, where)
     if not isinstance(d.get("dflash_config") or {}, dict):
         raise ValueError(f"{where}: dflash_config must be a JSON object")
@@ -562,9 +540,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 def default_layer_ids(where: str, targets: int, drafts: int) -> list[int]:
-    """default_target_layer_ids for a file that gives none. Below 4 target layers the span it spreads them over is
-    empty: the ids it gives there are said (refused where out of range), with the file, rather than taken in
-    silence."""
+    """default_target_layer_ids for a file that gives none; below 4 target layers (an empty span) they are said,
+    and refused out of range."""
     ids = default_target_layer_ids(targets, drafts)
     said = (f"{where}: dflash_config gives no target_layer_ids, and DFlash's default for a {targets}-layer target "
             f"with {drafts} drafter layer{'s' if drafts > 1 else ''} (spread over target layers 1 .. "
@@ -577,13 +554,9 @@ def default_layer_ids(where: str, targets: int, drafts: int) -> list[int]:
 
 
 def attention_kinds(d: dict, where: str) -> tuple:
-    """Per drafter layer, how its block rows attend: (window or None, causal), from a z-lab config's layer_types,
-    use_sliding_window, sliding_window and is_causal, as z-lab's `dflash` package reads them through transformers'
-    Qwen3Config; () when every layer sees the whole block and context (None, False). A "sliding_attention" layer is
-    causal (a row sees the block's rows up to its own) unless is_causal is false, and has a window only with
-    use_sliding_window (transformers drops sliding_window otherwise): a row at slot p then sees slots s with
-    p - s < sliding_window (and s - p < sliding_window when not causal). A "full_attention" layer is causal only
-    with is_causal true (docs/checkpoints.md)."""
+    """Per drafter layer, how its block rows attend: (window or None, causal), as z-lab's `dflash` reads
+    layer_types, use_sliding_window, sliding_window and is_causal (docs/checkpoints.md); () when every layer sees
+    the whole block and context."""
     kinds = d.get("layer_types")
     is_causal = d.get("is_causal")
     if is_causal is not None and not isinstance(is_causal, bool):

@@ -1,13 +1,5 @@
-"""The settings of a run and their checks at the API's boundary.
-
-A run's settings travel as two dataclasses: sampler.Sampling (how the target's tokens are drawn) and Speculation
-(how a speculative round drafts). Input is checked once, where it enters, and everything past that boundary
-assumes it is valid: generate() and generate_batch() check their arguments here (check_settings, check_models,
-check_request); loading checks the checkpoint files and whether a drafter fits its target (loading.py,
-loading.check_pair); the command line checks what only it has (text to numbers, which options apply, the prompt's
-text) and turns every ValueError / TypeError into one `error:` line, exit 2. The one check left inside the
-rounds is what no boundary can foresee: non-finite logits or probabilities (ddtree.Engine.pick).
-"""
+"""A run's settings (sampler.Sampling, Speculation) and their checks at the API's boundary: input is checked once,
+where it enters, and everything past it assumes it valid (docs/round.md)."""
 
 import math
 import numbers
@@ -45,8 +37,7 @@ SPECULATION_FIELDS = ("draft_temperature", "draft_sampling", "denoise_steps", "s
 
 
 def grouped(settings: dict) -> dict:
-    """generate()'s keyword arguments from flat ones, as the command line's flags name them: draft_temperature,
-    draft_sampling, denoise_steps, show_tree and draft_window make its `speculation`; the rest pass as they are."""
+    """generate()'s keyword arguments from flat ones (the command line's): SPECULATION_FIELDS make `speculation`."""
     out = {k: v for k, v in settings.items() if k not in SPECULATION_FIELDS}
     given = {k: settings[k] for k in SPECULATION_FIELDS if k in settings}
     if given and "speculation" in out:
@@ -65,10 +56,8 @@ def verify_rows(method: str, spec: Speculation, drafter, auto=()) -> int:
 
 
 def check_settings(method, sampling, budget, speculation) -> tuple:
-    """The method, the sampling and the drafting settings checked, each against the method and the sampling
-    (check_applies); returns (Sampling, Speculation) with numbers as floats and the budget resolved (the default
-    for ddtree, None for the other methods). budget, when given, is the tree size (speculation.budget is then
-    left None)."""
+    """(Sampling, Speculation) checked against the method and each other, numbers as floats and the budget
+    resolved (the default for ddtree, None otherwise). budget: the tree size, or None for speculation.budget's."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     sampling = check_sampling(sampling)
@@ -138,9 +127,8 @@ def check_sampling(s: Sampling) -> Sampling:
 
 def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens, spec, compile, on_tokens,
                   max_batch, on_result=None):
-    """The requests checked against the models; returns the prompts as lists, one seed per prompt (None drawn
-    fresh from the OS, not from torch's global generator: the caller's torch.manual_seed state is theirs) and the
-    stop ids as a set. Errors about one of several prompts name it."""
+    """(prompts as lists, one seed per prompt, stop ids as a set) checked against the models; a None seed is drawn
+    from the OS, leaving torch's global generator to the caller. Errors about one of several prompts name it."""
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of prompts (each a list of token ids or a 1-D integer tensor), got "
                         f"{reprlib.repr(prompts)}")
@@ -186,10 +174,8 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
 
 
 def check_orderable(budget, drafter, vocab: int):
-    """A tree of `budget` nodes is one the tree builders can order: draft_tree.order_key breaks ties with an index
-    below 2**31 among budget x (tokens per depth) candidates (the drafter's candidates_per_depth, else the
-    vocabulary's top min(budget, vocab)). The verify's rows need no room before the limit: a round near it drafts
-    fewer."""
+    """A tree of `budget` nodes is one the builders can order: draft_tree.order_key's tie-break index over budget x
+    (tokens per depth) candidates stays below 2**31."""
     if not is_int(budget):  # None (the chain) or "auto" (trees of AUTO_BUDGETS)
         return
     width = drafter.candidates_per_depth or min(budget, vocab)
@@ -199,10 +185,8 @@ def check_orderable(budget, drafter, vocab: int):
 
 
 class Target(Protocol):
-    """What the engine (ddtree.py, with batch.py, budget.py and this file) asks of a target model: model.Qwen3 is one,
-    and a family with its own layers is one module whose model has these members (docs/families.md). Every tensor
-    argument has the batch first. A target with recurrent layers adds the hooks of docs/families.md ("Recurrent
-    targets") and says so with `recurrent = True`; without that member a target is not recurrent."""
+    """What the engine asks of a target model (model.Qwen3 is one; docs/families.md), every tensor batch first. A
+    recurrent target adds RECURRENT_HOOKS and `recurrent = True`."""
     config: Any  # a dataclass: vocab_size, and what families.position_limit reads (max_position_embeddings, ...)
     eos_ids: list[int]  # the default stop tokens
     embed_tokens: torch.nn.Module  # the drafter embeds and reads out through the target's own embedding and head
@@ -212,11 +196,9 @@ class Target(Protocol):
 
     def __call__(self, tokens, input_pos, cache_pos, block_mask, logits_rows=None, feature_layers=(),
                  argmax=False, **hooks) -> tuple:
-        """Tokens [N, Q] at RoPE positions input_pos written to cache slots cache_pos, attending under a
-        tree_attn.PrefixMask's BlockMask -> (float logits of the logits_rows [N, k] (every row: None), the
-        outputs of feature_layers concatenated [N, Q, F] or None). argmax: in place of the logits, the pair (their
-        argmax [N, k], whether each row's logits are all finite [N, k]), all that a greedy pick reads (a target
-        split over ranks by vocabulary then gathers no logits). hooks: a recurrent target's state arguments."""
+        """Tokens [N, Q] at RoPE positions input_pos into cache slots cache_pos, under a PrefixMask's BlockMask ->
+        (float logits of logits_rows [N, k] (None: every row), feature_layers' outputs [N, Q, F] or None). argmax:
+        (argmax [N, k], all-finite [N, k]) in place of the logits. hooks: a recurrent target's state."""
 
     def setup_cache(self, length: int, batch: int): ...  # caches for `batch` requests of `length` slots
     def kv_caches(self): ...  # every K and V cache [N, heads, slots, dim], which compact_kv and batch.take move
@@ -225,8 +207,7 @@ class Target(Protocol):
 TARGET_MEMBERS = (*Target.__annotations__, "__call__", "setup_cache", "kv_caches")
 
 
-# The members a recurrent target (recurrent_target) has beside Target's: the hooks the engine calls on it alone
-# (docs/recurrent_tree.md, "Hooks"; hybrid.Qwen3_5 has them).
+# A recurrent target's members beside Target's (docs/recurrent_tree.md, "Hooks").
 RECURRENT_HOOKS = ("reset_recurrent", "state_tensors", "chain_state", "tree_state", "commit_recurrent")
 
 
@@ -236,8 +217,7 @@ def recurrent_target(target) -> bool:
 
 
 def check_models(target, drafter, method: str):
-    """A target with every member of the Target protocol; a DFlashDrafter for dflash and ddtree, none for ar (as the
-    command line refuses --draft with --method ar: a drafter given would be ignored)."""
+    """A target with every member of Target; a DFlashDrafter for dflash and ddtree, none for ar."""
     missing = [name for name in TARGET_MEMBERS if not hasattr(target, name)]
     if missing:
         raise TypeError(f"target must meet the Target protocol (settings.Target; model.Qwen3.from_pretrained gives "
@@ -285,8 +265,7 @@ def check_int(name: str, value, low: int, high: int = INT64_MAX) -> int:
 
 
 def shown(value) -> str:
-    """A value as an error message quotes it: shortened, and a huge integer by its size (Python refuses to write
-    one of more than 4,300 digits)."""
+    """A value as an error message quotes it: shortened, a huge integer by its digit count."""
     if is_int(value) and abs(int(value)).bit_length() > 1000:
         return f"an integer of {int(math.log10(abs(int(value)))) + 1} digits"
     return reprlib.repr(value)
