@@ -37,8 +37,7 @@ def prefill_compiled(compile: bool | str, device_type: str) -> bool:
 
 
 def graph_warmup_calls(compile, device_type: str) -> int:
-    """Calls of a compiled step before its graph runs as it will: CUDA graph trees warm up on the first and record
-    on the second."""
+    """Calls of a compiled step before its graph runs as it will (CUDA graph trees record on the second)."""
     return 2 if compile and device_type == "cuda" else 1
 
 

@@ -20,8 +20,7 @@ HYBRID_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM",
 
 
 def hybrid_kind(d: dict) -> str | None:
-    """"dense" or "moe" for a Qwen3.5 / Qwen3.6 hybrid config (transformers' qwen3_5, qwen3_5_moe and their text
-    configs), None for anything else."""
+    """"dense" or "moe" for a Qwen3.5 / Qwen3.6 hybrid config, None for anything else."""
     model_type, archs = d.get("model_type"), d.get("architectures") or []
     if model_type in HYBRID_TYPES or set(HYBRID_ARCHITECTURES) & set(archs if isinstance(archs, list) else []):
         moe = (model_type or "").startswith("qwen3_5_moe") or any("Moe" in a for a in archs if isinstance(a, str))

@@ -110,8 +110,7 @@ DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default
 
 
 def plain_rope_given(d: dict) -> bool:
-    """Whether a config's RoPE is plain (no rope_scaling, rope type "default"); any other, malformed included, is
-    rope.py's to read."""
+    """Whether a config's RoPE is plain (no rope_scaling, rope type "default"); any other is rope.py's to read."""
     scaling, given = d.get("rope_scaling"), d.get("rope_parameters")
     if scaling is not None and scaling != {}:
         return False
@@ -120,8 +119,7 @@ def plain_rope_given(d: dict) -> bool:
 
 
 def plain_rope(d: dict, where: str, partial_default: float | None, max_positions: int) -> dict:
-    """The plain RoPE's parameters as transformers settles them: rope_parameters' value, else the top-level one,
-    else the default; "scaling": Qwen3Config.rope_scaling."""
+    """A plain RoPE's parameters as transformers settles them; "scaling": Qwen3Config.rope_scaling."""
     params = dict(d.get("rope_parameters") or {})
     params.setdefault("rope_theta", d.get("rope_theta", DEFAULT_ROPE_THETA))
     partial = d.get("partial_rotary_factor", partial_default)
@@ -280,7 +278,7 @@ def checkpoint_tensors(model: nn.Module) -> dict:
 def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device, dtype, optional=frozenset(),
                  skip_prefixes: tuple = (), take=None, aliases=None):
     """Stream every tensor from the safetensors files straight into `dtype` on `device` (docs/checkpoints.md,
-    "Loading"): the model was built on meta, so the only host copies are one tensor at a time. Everything is
+    "Tensor names"): the model was built on meta, so the only host copies are one tensor at a time. Everything is
     checked from the headers first (place_tensors). strip_prefix: one prefix or several, of which the checkpoint
     uses the first that some tensor name starts with (`lm_head.weight` is read unprefixed only). optional: names
     read when present; skip_prefixes: tensors not read. take(name, stored): what to read of a tensor from its
@@ -363,22 +361,10 @@ def tensor_place(name: str, wanted: dict, parts: dict, model: nn.Module) -> tupl
     return None, None, ()
 
 
-class HeaderSlice:
-    """A stored tensor known by its header's shape, sliced on meta as safe_open's get_slice is."""
-
-    def __init__(self, shape):
-        self.shape = list(shape)
-
-    def get_shape(self):
-        return self.shape
-
-    def __getitem__(self, index):
-        return torch.empty(self.shape, device="meta")[index]
-
-
 def read_shape_of(take, name: str, shape, file: str) -> tuple:
+    """The shape take(name, stored) reads of a stored tensor of `shape`, found on the meta device."""
     try:
-        return tuple(take(name, HeaderSlice(shape)).shape)
+        return tuple(take(name, torch.empty(shape, device="meta")).shape)
     except ValueError as e:  # a shape config.json contradicts, found while slicing
         raise ValueError(f"{file}: {e}") from None
 
@@ -450,8 +436,7 @@ def read_tensors(file: str, keys: list[str], take=None):
 
 
 def eos_ids_of(path: str, config: dict, vocab: int) -> list[int]:
-    """End-of-sequence ids: generation_config.json's, then config's; one not below vocab is left out, with a
-    warning."""
+    """Stop ids: generation_config.json's, then config's; one not below vocab is left out with a warning."""
     generation = os.path.join(path, "generation_config.json")
     ids = []
     for source, d in ((generation, read_json(generation) if os.path.isfile(generation) else {}),
@@ -488,8 +473,7 @@ def dflash_setting(d: dict, key: str, default=None):
 
 
 def dflash_config_fields(d: dict, where: str = "config.json", rope_reader=None) -> dict:
-    """drafter.DFlashConfig's fields from a z-lab DFlash config.json, every value checked; its layers' Qwen3
-    fields as "model"."""
+    """drafter.DFlashConfig's fields from a z-lab DFlash config.json, its layers' Qwen3 fields as "model"."""
     dflash_architecture(d, where)
     if not isinstance(d.get("dflash_config") or {}, dict):
         raise ValueError(f"{where}: dflash_config must be a JSON object")

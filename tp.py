@@ -358,8 +358,9 @@ def taker(model):
 
 def take(plan: Plan, name: str, stored) -> torch.Tensor:
     """This rank's part of the checkpoint tensor `name` from its safetensors slice `stored` (safe_open's
-    get_slice): only those rows or columns are read. A tensor the plan does not name is replicated (read whole);
-    one expert's tensor takes the plan of the stacked experts less their leading dimension."""
+    get_slice, or a meta tensor of its shape): only those rows or columns are read. A tensor the plan does not name
+    is replicated (read whole); one expert's tensor takes the plan of the stacked experts less their leading
+    dimension."""
     spec, lead = plan.get(name), 0
     if spec is None:
         expert = EXPERT_TENSOR.match(name)
@@ -369,7 +370,7 @@ def take(plan: Plan, name: str, stored) -> torch.Tensor:
         return stored[:]
     dim, full, ranges = spec
     dim -= lead
-    shape = stored.get_shape()
+    shape = list(stored.shape) if isinstance(stored, torch.Tensor) else stored.get_shape()  # meta: the header's
     if len(shape) <= dim or shape[dim] != full:
         raise ValueError(f"tensor {name!r} has shape {tuple(shape)}, config.json implies {full} along dimension "
                          f"{dim}")
