@@ -22,10 +22,24 @@ from drafter import DFlashDrafter
 from memory import memory_line, memory_per_token
 from model import Qwen3
 from sampler import Sampling
-from settings import (AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, check_applies, check_int, check_recalibrate,
-                      check_sampling, grouped)
+from settings import (AUTO_BUDGETS, DEFAULT_BUDGET, METHODS, Speculation, check_applies, check_int,
+                      check_recalibrate, check_sampling)
 from text import Streamer, Text
 import tp
+
+
+SPECULATION_FIELDS = ("draft_temperature", "draft_sampling", "denoise_steps", "show_tree", "draft_window")
+
+
+def grouped(settings: dict) -> dict:
+    """generate()'s keyword arguments from flat ones (the command line's): SPECULATION_FIELDS make `speculation`."""
+    out = {k: v for k, v in settings.items() if k not in SPECULATION_FIELDS}
+    given = {k: settings[k] for k in SPECULATION_FIELDS if k in settings}
+    if given and "speculation" in out:
+        raise ValueError(f"{', '.join(given)} and speculation are both given: give them as speculation")
+    if given:
+        out["speculation"] = Speculation(**given)
+    return out
 
 
 def parse_args(argv):

@@ -33,20 +33,6 @@ class Speculation:
     draft_window: int | None = None  # dflash, ddtree: the drafter sees only the last W committed tokens (None: all)
 
 
-SPECULATION_FIELDS = ("draft_temperature", "draft_sampling", "denoise_steps", "show_tree", "draft_window")
-
-
-def grouped(settings: dict) -> dict:
-    """generate()'s keyword arguments from flat ones (the command line's): SPECULATION_FIELDS make `speculation`."""
-    out = {k: v for k, v in settings.items() if k not in SPECULATION_FIELDS}
-    given = {k: settings[k] for k in SPECULATION_FIELDS if k in settings}
-    if given and "speculation" in out:
-        raise ValueError(f"{', '.join(given)} and speculation are both given: give them as speculation")
-    if given:
-        out["speculation"] = Speculation(**given)
-    return out
-
-
 def verify_rows(method: str, spec: Speculation, drafter, auto=()) -> int:
     """Rows of a verify: the bonus and the tree's nodes (ddtree; budget auto: its largest tree among `auto`) or the
     chain's block_size - 1 drafts."""

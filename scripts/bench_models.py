@@ -36,7 +36,8 @@ from model import Qwen3
 from moe import SparseMoE, device_capability, expert_path
 from families import position_limit
 from sampler import Sampling
-from settings import Speculation, check_int, check_models, check_request, check_settings, grouped
+from cli import grouped
+from settings import Speculation, check_int, check_models, check_request, check_settings
 from text import Text
 import tp
 

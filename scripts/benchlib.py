@@ -39,7 +39,7 @@ from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
 from train_target import HELD_OUT_EVERY, read  # noqa: E402
 from tree_attn import PrefixMask, compact_kv  # noqa: E402
-from settings import grouped  # noqa: E402
+from cli import grouped  # noqa: E402
 
 
 def positive_int(text: str) -> int:

@@ -73,7 +73,8 @@ from sampler import Sampling, sample, warp_probs  # noqa: E402
 from tree_attn import PrefixMask  # noqa: E402
 from cli import in_flags, one_line_errors  # noqa: E402
 from loading import read_json  # noqa: E402
-from settings import Speculation, check_int, check_settings, grouped, recurrent_target  # noqa: E402
+from cli import grouped  # noqa: E402
+from settings import Speculation, check_int, check_settings, recurrent_target  # noqa: E402
 
 ALPHA = 1e-6
 DEFAULT_BUDGET = 5  # ddtree's tree nodes

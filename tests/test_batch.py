@@ -18,7 +18,8 @@ from conftest import PAIR_STOP, PAIR_VOCAB, assert_one_error_line, cli, load_pai
 from ddtree import generate, generate_batch
 from budget import accepted_within
 from sampler import Sampling
-from settings import Speculation, grouped
+from cli import grouped
+from settings import Speculation
 
 VOCAB, STOP = PAIR_VOCAB, PAIR_STOP
 

@@ -15,7 +15,7 @@ from conftest import compiled_equals_eager
 from ddtree import generate
 from text import Text
 from model import Qwen3
-from settings import grouped
+from cli import grouped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

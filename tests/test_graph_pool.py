@@ -13,7 +13,8 @@ from ddtree import generate_batch
 from test_batch import STOP, ragged_prompts
 from test_budget import GRID, SWITCHES, forced
 from sampler import Sampling
-from settings import Speculation, grouped
+from cli import grouped
+from settings import Speculation
 
 
 @pytest.fixture(scope="module")

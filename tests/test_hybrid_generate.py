@@ -17,7 +17,7 @@ from model import Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa: E402
-from settings import grouped
+from cli import grouped
 
 transformers = pytest.importorskip("transformers")
 

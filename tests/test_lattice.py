@@ -24,7 +24,7 @@ from model import Qwen3
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from checkpoints import DFLASH2  # noqa: E402
 from sampler import Sampling  # noqa: E402
-from settings import grouped  # noqa: E402
+from cli import grouped  # noqa: E402
 
 VOCAB = PAIR_VOCAB
 

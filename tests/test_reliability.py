@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from ddtree import DEFAULT_DRAFT, generate, generate_batch
 from drafter import DFlashDrafter
 from model import Qwen3
-from settings import Target, Speculation, check_applies, grouped
+from cli import grouped
+from settings import Speculation, Target, check_applies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

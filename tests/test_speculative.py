@@ -24,7 +24,7 @@ from model import Attention, Linear, Qwen3
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa
 from sampler import Sampling
-from settings import grouped
+from cli import grouped
 
 VOCAB = PAIR_VOCAB  # small, so random drafts are often right and paths get accepted, compacted and extended
 

@@ -26,7 +26,7 @@ from dflash2 import DFlash2Drafter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import stat_test as st  # noqa: E402
-from settings import grouped  # noqa: E402
+from cli import grouped  # noqa: E402
 
 PICK = ddtree.Engine.pick
 
