@@ -28,7 +28,6 @@ import torch
 from conftest import REPO_ROOT, assert_one_error_line, write_drafter
 from ddtree import generate
 from drafter import DFlashDrafter
-from model import Qwen3
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
 from checkpoints import (dflash_config, hybrid_text_config, moe_config, qwen3_config,  # noqa: E402
