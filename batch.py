@@ -1,7 +1,10 @@
 """Many requests on one engine: the decoding loop, and a batch that shrinks as its requests end. Each request draws
 from its own generator, so a batch gives every request its lone run's tokens."""
 
+import contextlib
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -169,3 +172,39 @@ def recurrent_states(target) -> list:
 def batch_bucket(n: int, max_batch: int) -> int:
     """The engine's batch size for n requests: the next power of two (at most max_batch), for few graphs."""
     return min(1 << (n - 1).bit_length(), max_batch)
+
+
+@dataclass
+class InUse:
+    """Which thread runs on a model: its caches hold that run's requests until it returns."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    owner: int | None = None  # the thread's ident
+
+
+_IN_USE: "weakref.WeakKeyDictionary[torch.nn.Module, InUse]" = weakref.WeakKeyDictionary()
+_IN_USE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def models_in_use(*models):
+    """Hold the models (whose caches hold the run's requests) for one run: another thread waits, this thread is
+    refused. Models are taken in one fixed order, so two runs cannot each wait for the other."""
+    me = threading.get_ident()
+    with _IN_USE_LOCK:
+        marks = [_IN_USE.setdefault(m, InUse()) for m in sorted({id(m): m for m in models if m is not None}.values(),
+                                                                 key=id)]
+    if any(mark.owner == me for mark in marks):
+        raise RuntimeError("generate() is already running on these models in this thread (called from on_tokens "
+                           "or on_result?): their caches hold that run's requests; call it once the run returns, "
+                           "or load a second copy of the models")
+    held = []
+    try:
+        for mark in marks:
+            mark.lock.acquire()
+            mark.owner = me
+            held.append(mark)
+        yield
+    finally:
+        for mark in reversed(held):
+            mark.owner = None
+            mark.lock.release()

@@ -269,6 +269,15 @@ def auto_candidates(target, drafter, spec, budgets) -> dict:
     return candidates
 
 
+def auto_engine(engine_class, target, drafter, sampling, spec, max_seq_len, compile, batch, budgets):
+    """The AutoBudget over one engine_class engine per candidate (auto_candidates), all over the same caches."""
+    engines = {c: engine_class(target, candidate_drafter, method, sampling, candidate_spec, max_seq_len, compile, batch,
+                               tally)
+               for c, (method, candidate_drafter, candidate_spec, tally)
+               in auto_candidates(target, drafter, spec, budgets).items()}
+    return AutoBudget(engines, drafter.block_size)
+
+
 def catch_up(engine, tokens: list[list[int]], starts: list[int]):
     """The target over committed tokens the drafter has not seen (rounds of plain decoding run without it), request
     i's from position starts[i], to extend the drafter's context (an empty list: a dummy row past the committed
@@ -608,13 +617,20 @@ class AutoBudget:
                 for c in self.engines})
 
 
-def tally(budgets: tuple, chain, tokens, path, length, next_token) -> torch.Tensor:
+def tally(budgets: tuple, engine, draft, room, tokens, path, length, next_token) -> torch.Tensor:
     """A tree round's observation for budget auto, made inside the compiled round (Engine's `tally`):
-    [N, len(budgets) + 1], the drafts each of `budgets` and the chain (the drafter's greedy drafts [N, D]) would
-    have accepted this round, read off this one verified tree (the trees are nested)."""
+    [N, len(budgets) + 1], the drafts each of `budgets` and the chain (greedy_chain of the round's draft) would have
+    accepted this round, read off this one verified tree (the trees are nested)."""
     within = accepted_within(path, length, budgets)
-    chain = chain_accepted(chain, tokens, path, length, next_token)
+    chain = chain_accepted(greedy_chain(engine.drafter, draft, room), tokens, path, length, next_token)
     return torch.cat([within, chain[:, None]], dim=1)
+
+
+def greedy_chain(drafter, draft, room) -> torch.Tensor:
+    """The drafter's greedy chain [N, D] of a round's draft (per-position logits, or a family's draft: its
+    drafter's `chain` hook), -1 past the room [N]."""
+    chain = draft.argmax(-1) if torch.is_tensor(draft) else drafter.chain(draft)
+    return torch.where(torch.arange(chain.shape[-1], device=chain.device) < room[:, None], chain, -1)
 
 
 def accepted_within(path: torch.Tensor, length: torch.Tensor, budgets) -> torch.Tensor:

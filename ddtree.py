@@ -7,15 +7,13 @@ nodes from the drafter's per-position distributions, verified in one forward und
 order: generate() -> Engine -> Engine.step -> Engine.round (five stages; docs/round.md walks through one) -> prefill.
 """
 
-import contextlib
+import itertools
 import os
 import signal
 import sys
 import threading
 import time
 import warnings
-import weakref
-from dataclasses import dataclass, field
 
 if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): exit 130 quietly; main() takes over from there
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
@@ -27,6 +25,7 @@ import batch
 from batch import Requests, RequestsFailed, Result
 from draft_tree import ancestor_matrix, beyond_room, build_tree, build_tree_heap, within_room
 from drafter import DFlashDrafter
+import families
 from families import position_limit
 from sampler import Sampling, draw_noise, sample, sample_rows, tempered, verify_chain_sampled, walk_tree, warp_probs
 from settings import (Speculation, Target, check_models, check_recalibrate, check_request, check_settings,
@@ -85,17 +84,14 @@ def generate_batch(target: Target, drafter: DFlashDrafter | None = None, prompts
     sampling, spec = check_settings(method, Sampling(temperature, top_k, top_p, min_p), budget, speculation)
     check_recalibrate(recalibrate, spec.budget)
     check_models(target, drafter, method)
-    with models_in_use(target, drafter):
+    with batch.models_in_use(target, drafter):
         prompts, seeds, stop = check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tokens,
                                              spec, compile, on_tokens, max_batch, on_result)
 
         renewed = []  # recalibrate: the budget-auto engines this call has calibrated again
 
         def engine_for(longest: int, batch_size: int):  # for a wave whose longest prompt has this length
-            budgets = ()
-            if spec.budget == "auto":
-                import budget  # budget auto: imported only when asked for
-                budgets = budget.auto_budgets()
+            budgets = families.family("budget").auto_budgets() if spec.budget == "auto" else ()
             length = cache_length(longest, max_new_tokens, method, spec, drafter, budgets, target.device.type)
             engine = get_engine(target, drafter, method, sampling, spec, length, compile, batch_size, budgets)
             if recalibrate and not any(e is engine for e in renewed):
@@ -115,16 +111,10 @@ def host_read(**parts) -> list[dict]:
     """Per-request integer tensors ([N] or [N, k]; None is left out) read to the host in one transfer: per request,
     a dict by name of an int ([N]) or a list ([N, k])."""
     parts = {name: t for name, t in parts.items() if t is not None}
-    widths = {name: 1 if t.dim() == 1 else t.shape[1] for name, t in parts.items()}
+    ends = list(itertools.accumulate(t.shape[1] if t.dim() == 2 else 1 for t in parts.values()))
     rows = torch.cat([t.long().reshape(t.shape[0], -1) for t in parts.values()], dim=1).tolist()
-    out = []
-    for row in rows:
-        read, at = {}, 0
-        for name, t in parts.items():
-            read[name] = row[at] if t.dim() == 1 else row[at:at + widths[name]]
-            at += widths[name]
-        out.append(read)
-    return out
+    return [{name: row[end - 1] if t.dim() == 1 else row[end - t.shape[1]:end]
+             for (name, t), end in zip(parts.items(), ends)} for row in rows]
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -243,8 +233,7 @@ class Engine:
         # its features to the drafter's context.
         self.commit(start, path, length, positions, features, recurrent)
         tree = (tokens, parents, depths, path) if self.spec.show_tree else None
-        tally = None if self.tally is None else self.tally(self.chain(draft_logits, room), tokens, path, length,
-                                                         next_token)
+        tally = None if self.tally is None else self.tally(self, draft_logits, room, tokens, path, length, next_token)
         return rows.gather(1, path), length, next_token, ok, tree, tally
 
     def draft(self, bonus, start):
@@ -270,13 +259,6 @@ class Engine:
             q = warp_probs(draft_logits, self.sampling)
             return (*within_room(sample(q, draft_noise), chain_parents, depths, room), q)
         return (*within_room(draft_logits.argmax(-1), chain_parents, depths, room), None)
-
-    def chain(self, draft_logits, room=None):
-        """The drafter's greedy chain [N, D], -1 past the room: for budget auto's tally."""
-        chain = draft_logits.argmax(-1) if torch.is_tensor(draft_logits) else self.drafter.chain(draft_logits)
-        if room is None:
-            return chain
-        return torch.where(torch.arange(chain.shape[-1], device=chain.device) < room[:, None], chain, -1)
 
     def verify(self, bonus, tokens, parents, depths, start):
         """The target over [bonus, nodes...] at RoPE positions start + depth, cache slots start + row, each row
@@ -453,52 +435,12 @@ def get_engine(target, drafter, method, sampling, spec, max_seq_len, compile, ba
             # Engines of other settings go; those of other batch sizes stay, for a batch that shrinks.
             for old in [k for k in _ENGINES if k[:-1] != settings]:
                 del _ENGINES[old]
-            if spec.budget == "auto":
-                import budget  # budget auto: imported only when asked for
-                engines = {c: Engine(target, candidate_drafter, candidate_method, sampling, candidate_spec,
-                                     max_seq_len, compile, batch, tally)
-                           for c, (candidate_method, candidate_drafter, candidate_spec, tally)
-                           in budget.auto_candidates(target, drafter, spec, auto).items()}
-                _ENGINES[key] = budget.AutoBudget(engines, drafter.block_size)
+            if spec.budget == "auto":  # budget.py: imported only when asked for
+                _ENGINES[key] = families.family("budget").auto_engine(Engine, target, drafter, sampling, spec,
+                                                                      max_seq_len, compile, batch, auto)
             else:
                 _ENGINES[key] = Engine(target, drafter, method, sampling, spec, max_seq_len, compile, batch)
         return _ENGINES[key]
-
-
-@dataclass
-class InUse:
-    """Which thread runs on a model: its caches hold that run's requests until it returns."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    owner: int | None = None  # the thread's ident
-
-
-_IN_USE: "weakref.WeakKeyDictionary[torch.nn.Module, InUse]" = weakref.WeakKeyDictionary()
-_IN_USE_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def models_in_use(*models):
-    """Hold the models (whose caches hold the run's requests) for one run: another thread waits, this thread is
-    refused. Models are taken in one fixed order, so two runs cannot each wait for the other."""
-    me = threading.get_ident()
-    with _IN_USE_LOCK:
-        marks = [_IN_USE.setdefault(m, InUse()) for m in sorted({id(m): m for m in models if m is not None}.values(),
-                                                                 key=id)]
-    if any(mark.owner == me for mark in marks):
-        raise RuntimeError("generate() is already running on these models in this thread (called from on_tokens "
-                           "or on_result?): their caches hold that run's requests; call it once the run returns, "
-                           "or load a second copy of the models")
-    held = []
-    try:
-        for mark in marks:
-            mark.lock.acquire()
-            mark.owner = me
-            held.append(mark)
-        yield
-    finally:
-        for mark in reversed(held):
-            mark.owner = None
-            mark.lock.release()
 
 
 def prefill_chunk(device_type: str) -> int:

@@ -12,8 +12,9 @@ import torch.nn as nn
 from loading import (check_layer_count, check_pair, dflash_config_fields, load_weights,
                      on_meta, parse_device, parse_dtype, read_json, resolve_checkpoint)
 import families
+from regions import run_layer
 from model import (Block, Linear, Qwen3Config, RMSNorm, allocate_kv_caches, compute_dtype, rope_cos_sin,
-                   rope_frequencies, run_layer)
+                   rope_frequencies)
 
 
 @dataclass
@@ -23,7 +24,7 @@ class DFlashConfig:
     num_target_layers: int
     target_layer_ids: list[int]
     mask_token_id: int
-    # per layer (sliding window or None, causal) of its block rows (loading.attention_kinds); (): all (None, False)
+    # per layer (sliding window or None, causal) of its block rows (drafter_options.py); (): all (None, False)
     attention: tuple = ()
     output_multiplier: float = 1.0  # logits = lm_head(h) * output_multiplier, then the softcap
     logit_softcap: float | None = None  # final_logit_softcapping: logits = c * tanh(logits / c)
@@ -33,6 +34,7 @@ class DFlashConfig:
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
         """The drafter's config.json, checked (loading.dflash_config_fields)."""
         fields = dflash_config_fields(d, where, families.rope_reader(d))
+        fields.update(families.drafter_options(d, where))
         return cls(model=Qwen3Config(**fields.pop("model")), **fields)
 
     def attention_of(self, layer: int) -> tuple:

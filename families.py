@@ -6,7 +6,7 @@ import importlib
 import os
 import warnings
 
-from loading import dense_fields, dflash_architecture, plain_rope_given, text_config
+from loading import dense_fields, dflash_architecture, plain_rope_given
 
 
 def family(name: str):
@@ -28,13 +28,6 @@ def hybrid_kind(d: dict) -> str | None:
     return None
 
 
-def is_moe(d: dict, moe: bool | None = None) -> bool:
-    """Whether a Qwen3 config is Qwen3-MoE's (moe: the caller's say, when not None)."""
-    if moe is not None:
-        return moe
-    return d.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (d.get("architectures") or [])
-
-
 def other_loader(d: dict, where: str):
     """The from_pretrained(path, device, dtype) of another family's target class that config.json names; None for
     the Qwen3 families; an error for anything else."""
@@ -47,6 +40,25 @@ def other_loader(d: dict, where: str):
         return family("gemma4").from_pretrained
     raise ValueError(f"{where}: not a Qwen3, Qwen3.5 or Gemma 4 checkpoint (model_type={model_type!r}, "
                      f"architectures={archs})")
+
+
+def text_config(d: dict, where: str) -> tuple[dict, str]:
+    """(the text model's fields, where): multimodal.text_config for a hub config that nests them (Qwen3.5, Gemma 4)."""
+    if d.get("text_config") is None:
+        return d, where
+    return family("multimodal").text_config(d, where)
+
+
+def drafter_options(d: dict, where: str) -> dict:
+    """drafter_options.fields for a drafter config.json that sets more than plain layers ({} for a plain one:
+    DFlashConfig's defaults)."""
+    layers, kinds = d.get("num_hidden_layers"), d.get("layer_types")
+    plain_layers = isinstance(layers, int) and kinds in (None, ["full_attention"] * layers) and \
+        not d.get("use_sliding_window") and (d.get("is_causal") is None or d.get("is_causal") is False)
+    scales = {"output_multiplier", "input_embedding_scale", "final_logit_softcapping"}
+    if plain_layers and not scales & (set(d) | set(d.get("dflash_config") or {})):
+        return {}
+    return family("drafter_options").fields(d, where)
 
 
 def drafter_class(d: dict, where: str, dense_class):
@@ -62,7 +74,8 @@ def config_fields(d: dict, where: str = "config.json", moe: bool | None = None) 
     if hybrid_kind(d):
         text, text_where = text_config(d, where)
         return family("hybrid").config_fields(text, text_where, hybrid_kind(text) or hybrid_kind(d), rope_reader(text))
-    if is_moe(d, moe):
+    if moe or moe is None and (d.get("model_type") == "qwen3_moe" or
+                               "Qwen3MoeForCausalLM" in (d.get("architectures") or [])):
         moe_module = family("moe")
         fields = dense_fields(d, where, "qwen3_moe", moe_module.DEFAULTS, rope_reader=rope_reader(d))
         return dict(fields, moe=moe_module.MoEConfig(**moe_module.moe_fields(d, where)))
@@ -95,11 +108,6 @@ def build(dense_class, config):
     if config.moe is not None:
         family("moe").apply(model, config.moe)
     return model
-
-
-def scaled_rope(config, device=None):
-    """(inv_freq, attention factor) of a RoPE scaling (rope.rope_frequencies)."""
-    return family("rope").rope_frequencies(config, device)
 
 
 def position_limit(config) -> tuple[int, str]:

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import model
+import regions
+from families import text_config
 from loading import (check_layer_count, eos_ids_of, load_weights, on_meta, parse_device, parse_dtype, read_json,
-                     resolve_checkpoint, text_config)
-from model import Linear, allocate_kv_caches, rope_cos_sin, tie_or_keep_head
+                     resolve_checkpoint, tie_or_keep_head)
+from model import Linear, allocate_kv_caches, rope_cos_sin
 from moe import checkpoint_places
 from rope import rope_frequencies
 from tree_attn import BLOCK, flex_kernel_options, prefix_block_mask
@@ -401,7 +403,7 @@ class Block(nn.Module):
 @torch.compiler.nested_compile_region
 def _layer_once(layer, x, cos, sin, positions, cache_pos, kv_num_blocks, kv_indices, full_num, full_idx, prefix,
                 allow, window):
-    """A layer under torch.compile, its mask rebuilt from tensors (as model._layer_once): one trace per kind."""
+    """A layer under torch.compile, its mask rebuilt from tensors (as regions._layer_once): one trace per kind."""
     mask = prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow,
                              layer.self_attn.k_cache.shape[2])
     if window:
@@ -449,7 +451,7 @@ class Gemma4(nn.Module):
     def run_layer(self, layer, x, rope, positions, cache_pos, masks):
         cos, sin = rope[layer.sliding]
         window = self.config.sliding_window if layer.sliding else 0
-        if torch.compiler.is_compiling() and model.COMPILE_LAYERS_ONCE:
+        if torch.compiler.is_compiling() and regions.COMPILE_LAYERS_ONCE:
             # (a region's inputs may not alias each other: a decode step's positions are its cache slots)
             return _layer_once(layer, x, cos, sin, positions.clone(), cache_pos, *masks[False].prefix_tensors,
                                window)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-import model
+import regions
 from gated_delta import GatedDeltaNet, Recurrent, ZeroCenteredRMSNorm, commit_tree
 from loading import dense_fields, positive
 from model import Attention, Block, Qwen3, RMSNorm, apply_rope
@@ -155,9 +155,9 @@ def _recurrent_tree_once(layer, x, parents, anc, depth):
 
 
 def run_recurrent_layer(layer, x, recurrent):
-    """A recurrent layer through its one compiled region (model.COMPILE_LAYERS_ONCE): the region takes the
+    """A recurrent layer through its one compiled region (regions.COMPILE_LAYERS_ONCE): the region takes the
     Recurrent's tensors and hands back what a tree verify leaves for the commit (recurrent.pending)."""
-    if not model.COMPILE_LAYERS_ONCE:
+    if not regions.COMPILE_LAYERS_ONCE:
         return layer(x, recurrent)
     if recurrent is not None and recurrent.is_tree:
         x, *pending = _recurrent_tree_once(layer, x, recurrent.parents, recurrent.anc, recurrent.depth)
@@ -186,7 +186,7 @@ class Qwen3_5(Qwen3):
     def run_layer(self, layer, x, cos, sin, cache_pos, mask, recurrent):
         if hasattr(layer, "linear_attn"):
             return run_recurrent_layer(layer, x, recurrent)
-        return model.run_layer(layer, x, cos, sin, cache_pos, mask)
+        return regions.run_layer(layer, x, cos, sin, cache_pos, mask)
 
     def setup_cache(self, length: int, batch: int = 1):
         """The K/V caches (Qwen3.setup_cache), and per recurrent layer its conv state [batch, C, K - 1] (model

@@ -2,7 +2,6 @@
 streamed one tensor at a time into the requested dtype and device (docs/checkpoints.md)."""
 
 import json
-import math
 import os
 import re
 import reprlib
@@ -13,32 +12,11 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 
-def text_config(d: dict, where: str) -> tuple[dict, str]:
-    """(the text model's fields, where) of a config that may nest them in `text_config` (Qwen3.5): the outer
-    tie_word_embeddings is the one transformers ties by, and the outer eos_token_id fills an absent inner one."""
-    inner = d.get("text_config")
-    if inner is None:
-        return d, where
-    if not isinstance(inner, dict):
-        raise ValueError(f"{where}: text_config must be a JSON object, got {type(inner).__name__}")
-    ignored = [k for k in ("rope_scaling", "rope_parameters", "rope_theta") if d.get(k) and d[k] != inner.get(k)]
-    if ignored:  # transformers builds the text model's RoPE from text_config alone
-        raise ValueError(f"{where}: {', '.join(ignored)} at the top level would be ignored (transformers reads the "
-                         f"text model's RoPE from text_config): move it into text_config")
-    merged = dict(inner)
-    merged["tie_word_embeddings"] = d.get("tie_word_embeddings", False)
-    if merged.get("eos_token_id") is None and d.get("eos_token_id") is not None:
-        merged["eos_token_id"] = d["eos_token_id"]
-    merged.setdefault("model_type", (d.get("model_type") or "qwen3_5") + "_text")
-    return merged, f"{where} (text_config)"
-
-
 def dense_fields(d: dict, where: str = "config.json", family: str = "qwen3", defaults: dict | None = None,
                  mlp: bool = True, partial_default: float | None = None, rope_reader=None) -> dict:
-    """model.Qwen3Config's fields from a config.json dict, every field that changes the computation read or refused
-    (docs/checkpoints.md). A family passes its name and `defaults` (head_dim, num_key_value_heads), mlp=False when
-    not every layer has a dense MLP, partial_default when it checks its own partial RoPE and layer kinds, and a
-    rope_reader for a RoPE beyond plain RoPE (families.rope_reader)."""
+    """model.Qwen3Config's fields from config.json, every field that changes the computation read or refused. A family
+    passes its name, `defaults` (head_dim, num_key_value_heads), mlp=False (not every layer has a dense MLP),
+    partial_default (it checks its own partial RoPE and layer kinds) and a rope_reader (families.rope_reader)."""
     defaults = defaults or DENSE_DEFAULTS
     needed = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") + \
         (("intermediate_size",) if mlp else ())
@@ -47,8 +25,7 @@ def dense_fields(d: dict, where: str = "config.json", family: str = "qwen3", def
         raise ValueError(f"{where}: missing {', '.join(missing)}")
     sizes = {k: positive(where, d, k) for k in needed}
     if sizes["num_hidden_layers"] > MAX_LAYERS:  # a family's and the drafter's per-layer lists
-        raise ValueError(f"{where}: num_hidden_layers={sizes['num_hidden_layers']} is past {MAX_LAYERS}, beyond any "
-                         f"model")
+        raise ValueError(f"{where}: num_hidden_layers={sizes['num_hidden_layers']} is past {MAX_LAYERS}")
     if not mlp:
         sizes["intermediate_size"] = positive(where, d, "intermediate_size", default=1) if \
             d.get("intermediate_size") is not None else 0
@@ -181,11 +158,9 @@ def read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
     except RecursionError:  # arrays or objects nested deeper than Python's recursion limit
         raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
-    except ValueError as e:  # valid JSON Python will not read, such as an integer of over 4,300 digits
+    except ValueError as e:  # bad JSON or bytes, or JSON Python will not read (an integer of over 4,300 digits)
         raise ValueError(f"{path}: not valid JSON ({str(e).split(';')[0]})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
@@ -230,12 +205,9 @@ def safetensors_files(path: str) -> list[str]:
             raise ValueError(f"{index}: no weight_map of tensor names to shard files")
         for name in sorted(set(weight_map.values())):
             check_inside(name, index)
-        shards = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
-        for shard in shards:
-            if not os.path.isfile(shard):
-                raise ValueError(f"{path}: model.safetensors.index.json lists {os.path.basename(shard)}, which is "
-                                 f"missing")
-        return shards
+            if not os.path.isfile(os.path.join(path, name)):
+                raise ValueError(f"{path}: model.safetensors.index.json lists {name}, which is missing")
+        return [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
@@ -277,12 +249,10 @@ def checkpoint_tensors(model: nn.Module) -> dict:
 
 def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device, dtype, optional=frozenset(),
                  skip_prefixes: tuple = (), take=None, aliases=None):
-    """Stream every tensor from the safetensors files straight into `dtype` on `device` (docs/checkpoints.md,
-    "Tensor names"): the model was built on meta, so the only host copies are one tensor at a time. Everything is
-    checked from the headers first (place_tensors). strip_prefix: one prefix or several, of which the checkpoint
-    uses the first that some tensor name starts with (`lm_head.weight` is read unprefixed only). optional: names
-    read when present; skip_prefixes: tensors not read. take(name, stored): what to read of a tensor from its
-    safetensors slice (a rank's shard, tp.take; None: whole). aliases: {a name the file may use: the model's}."""
+    """Stream every tensor into `dtype` on `device`, one host copy at a time, into a model built on meta, all checked
+    from the headers first (place_tensors; docs/checkpoints.md, "Tensor names"). strip_prefix: the first of these
+    prefixes the names use (`lm_head.weight` is read unprefixed only). optional: read when present; skip_prefixes:
+    not read. take(name, stored): the part of a safetensors slice to read (tp.take). aliases: {file's name: ours}."""
     files = safetensors_files(path)
     header = read_header(files, skip_prefixes)
     prefix = layout_prefix(header, (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix))
@@ -312,11 +282,9 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
 
 
 def place_tensors(model: nn.Module, path: str, header: dict, stripped, optional, take) -> dict:
-    """{checkpoint tensor name: [(the model's tensor it goes to, index into that tensor or None for all of it, part
-    of the stored tensor or None)]} from the files' headers alone. Raises, naming the file and tensor, on a tensor
-    the model has no place for, a shape config.json contradicts, weights that are not floating-point, two tensors
-    for one place, and missing tensors; nothing is allocated. A model with a `checkpoint_places` hook (moe.py's
-    experts) places the names it knows itself."""
+    """{checkpoint tensor name: [(the model's tensor, index into it or None: all, part of the stored tensor or None)]}
+    from the headers alone; an unplaced tensor, a shape config.json contradicts, non-float weights, two tensors for
+    one place and missing ones raise, naming the file. A `checkpoint_places` hook (moe.py) places what it knows."""
     parts = stacked_parts(model)
     stacked = {name for name, _, _ in parts.values()}
     # (remove_duplicate=False: a tied lm_head is the embeddings' parameter, and still a tensor the file may hold)
@@ -435,6 +403,18 @@ def read_tensors(file: str, keys: list[str], take=None):
         raise ValueError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
 
 
+def tie_or_keep_head(model, path: str):
+    """tie_word_embeddings: the lm_head is the embedding matrix, unless the file stores a different lm_head.weight,
+    which transformers uses, and so do we, with a warning."""
+    head, embed = model.lm_head.weight, model.embed_tokens.weight
+    if head is embed or head.is_meta or torch.equal(head, embed):
+        model.lm_head.weight = embed
+        return
+    warnings.warn(f"{path}: config.json ties the lm_head to the embeddings (tie_word_embeddings: true), but the file "
+                  f"stores an lm_head.weight that differs from them: the stored lm_head is used, as transformers "
+                  f"uses it")
+
+
 def eos_ids_of(path: str, config: dict, vocab: int) -> list[int]:
     """Stop ids: generation_config.json's, then config's; one not below vocab is left out with a warning."""
     generation = os.path.join(path, "generation_config.json")
@@ -483,9 +463,7 @@ def dflash_config_fields(d: dict, where: str = "config.json", rope_reader=None) 
 
     rest = {k: v for k, v in d.items() if k not in ("layer_types", "sliding_window", "use_sliding_window",
                                                     "is_causal")}
-    # first: its layer count is checked before attention_kinds
     model = dense_fields(rest, where, rope_reader=rope_reader)
-    attention = attention_kinds(d, where)
     for key in ("block_size", "num_target_layers", "mask_token_id"):
         if not isinstance(value(key), int) or isinstance(value(key), bool):
             raise ValueError(f"{where}: {key} must be an integer, got {value(key)!r}")
@@ -498,21 +476,8 @@ def dflash_config_fields(d: dict, where: str = "config.json", rope_reader=None) 
                                                          model["num_hidden_layers"])
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"{where}: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
-    scales = {}
-    for key, default in (("output_multiplier", 1.0), ("input_embedding_scale", 1.0)):
-        scales[key] = value(key, default)
-        if not isinstance(scales[key], (int, float)) or isinstance(scales[key], bool) or \
-                not math.isfinite(scales[key]) or scales[key] == 0:
-            raise ValueError(f"{where}: {key} must be a finite nonzero number, got {scales[key]!r}")
-    softcap = value("final_logit_softcapping")
-    if softcap is not None and (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
-                                or not math.isfinite(softcap) or softcap < 0):
-        raise ValueError(f"{where}: final_logit_softcapping must be a non-negative number or null, got {softcap!r}")
     return dict(model=model, block_size=value("block_size"), num_target_layers=value("num_target_layers"),
-                target_layer_ids=list(ids), mask_token_id=value("mask_token_id"), attention=attention,
-                output_multiplier=float(scales["output_multiplier"]),
-                input_embedding_scale=float(scales["input_embedding_scale"]),
-                logit_softcap=float(softcap) if softcap else None)
+                target_layer_ids=list(ids), mask_token_id=value("mask_token_id"))
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -535,30 +500,6 @@ def default_layer_ids(where: str, targets: int, drafts: int) -> list[int]:
     if targets < 4 and drafts > 1:
         warnings.warn(f"{said}; give target_layer_ids to choose others")
     return ids
-
-
-def attention_kinds(d: dict, where: str) -> tuple:
-    """Per drafter layer, how its block rows attend: (window or None, causal), as z-lab's `dflash` reads
-    layer_types, use_sliding_window, sliding_window and is_causal (docs/checkpoints.md); () when every layer sees
-    the whole block and context."""
-    kinds = d.get("layer_types")
-    is_causal = d.get("is_causal")
-    if is_causal is not None and not isinstance(is_causal, bool):
-        raise ValueError(f"{where}: is_causal must be true, false or null, got {is_causal!r}")
-    layers = d.get("num_hidden_layers")
-    if kinds is None:
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{where}: use_sliding_window=true without layer_types is not supported")
-        kinds = ["full_attention"] * (layers if isinstance(layers, int) else 0)
-    if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - {"full_attention", "sliding_attention"}:
-        raise ValueError(f"{where}: layer_types must list 'full_attention' or 'sliding_attention' for each of the "
-                         f"{layers} layers, got {kinds!r}")
-    window = d.get("sliding_window") if d.get("use_sliding_window") else None
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"{where}: sliding_window must be a positive integer, got {window!r}")
-    out = tuple((window, kind == "sliding_attention" if is_causal is None else is_causal) if kind ==
-                "sliding_attention" else (None, bool(is_causal)) for kind in kinds)
-    return () if all(kind == (None, False) for kind in out) else out
 
 
 def check_pair(target, drafter):

@@ -4,7 +4,6 @@ and returns logits plus, on request, chosen layers' outputs (the drafter's conte
 modules that families.py applies to this skeleton after it is built (docs/families.md); nothing here imports one."""
 
 import os
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -14,8 +13,9 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import families
 from loading import (check_layer_count, defaulted_note, eos_ids_of, load_weights, on_meta, parse_device, parse_dtype,
-                     read_json, resolve_checkpoint, text_config)
-from tree_attn import flex_kernel_options, prefix_block_mask
+                     read_json, resolve_checkpoint, tie_or_keep_head)
+from regions import run_layer
+from tree_attn import flex_kernel_options
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -50,8 +50,7 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json", moe: bool | None = None) -> "Qwen3Config":
-        """Every value from config.json (families.config_fields), checked. moe: read the MoE fields (default: when
-        the file says qwen3_moe)."""
+        """Every value from config.json, checked (families.config_fields; moe: read the MoE fields, None: if qwen3_moe)."""
         return cls(**families.config_fields(d, where, moe))
 
 
@@ -63,7 +62,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def rope_frequencies(config, device=None) -> tuple[torch.Tensor, float]:
     """(inv_freq [rotated dims / 2] in float32, attention factor) of a config's RoPE (a scaled one: rope.py)."""
     if config.rope_scaling["rope_type"] != "default":
-        return families.scaled_rope(config, device)
+        return families.family("rope").rope_frequencies(config, device)
     dim = config.rotary_dim
     return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)), 1.0
 
@@ -121,28 +120,6 @@ class Linear(nn.Linear):
         reads (tp.VocabParallelHead finds both without gathering the vocabulary)."""
         logits = self(x).to(dtype)
         return logits.argmax(-1), torch.isfinite(logits).all(-1)
-
-
-# Compiled, every layer call goes through one nested region, built once per distinct layer (docs/compile.md). Read
-# while tracing; False: every layer inlined (cpu.compile_frozen: freezing needs the weights as graph constants).
-COMPILE_LAYERS_ONCE = True
-
-
-@torch.compiler.nested_compile_region
-def _layer_once(layer, x, cos, sin, cache_pos, kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow, window,
-                context):
-    mask = prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, allow,
-                             layer.self_attn.k_cache.shape[2], window or None, context or None)
-    return layer(x, cos, sin, cache_pos, mask)
-
-
-def run_layer(layer, x, cos, sin, cache_pos, mask):
-    """layer(x, ...) through the layers' one compiled region; a BlockMask not from a PrefixMask (a test's) has no
-    tensors to rebuild it from, so its layer is called directly."""
-    if not COMPILE_LAYERS_ONCE or not hasattr(mask, "prefix_tensors"):
-        return layer(x, cos, sin, cache_pos, mask)
-    # Dynamo reuses a region only for tensor, number and module arguments: the BlockMask goes in as its tensors.
-    return _layer_once(layer, x, cos, sin, cache_pos, *mask.prefix_tensors, mask.window or 0, mask.context or 0)
 
 
 class Attention(nn.Module):
@@ -234,18 +211,6 @@ def allocate_kv_caches(layers, length: int, dtype, device, batch: int = 1):
                 full = attn.kv_rows = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
             if attn.k_cache is None or attn.k_cache.shape != shape or attn.k_cache.data_ptr() != full[0].data_ptr():
                 attn.k_cache, attn.v_cache = (t if t.shape[0] == batch else t[:batch] for t in full)
-
-
-def tie_or_keep_head(model, path: str):
-    """tie_word_embeddings: the lm_head is the embedding matrix, unless the file stores a different lm_head.weight,
-    which transformers uses, and so do we, with a warning."""
-    head, embed = model.lm_head.weight, model.embed_tokens.weight
-    if head is embed or head.is_meta or torch.equal(head, embed):
-        model.lm_head.weight = embed
-        return
-    warnings.warn(f"{path}: config.json ties the lm_head to the embeddings (tie_word_embeddings: true), but the file "
-                  f"stores an lm_head.weight that differs from them: the stored lm_head is used, as transformers "
-                  f"uses it")
 
 
 class Qwen3(nn.Module):
@@ -343,6 +308,6 @@ class Qwen3(nn.Module):
         if config.tie_word_embeddings:
             tie_or_keep_head(model, path)
         model.inv_freq = rope_frequencies(config, device)[0]
-        model.eos_ids = eos_ids_of(path, text_config(raw, where)[0], config.vocab_size)
+        model.eos_ids = eos_ids_of(path, families.text_config(raw, where)[0], config.vocab_size)
         model.path = path
         return model.eval()

@@ -3,7 +3,6 @@ where it enters, and everything past it assumes it valid (docs/round.md)."""
 
 import math
 import numbers
-import os
 import reprlib
 import secrets
 from dataclasses import dataclass, replace
@@ -12,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from drafter import DFlashDrafter
+import families
 from families import position_limit
 from sampler import Sampling
 
@@ -132,9 +132,8 @@ def check_request(target, drafter, prompts, seeds, stop_ids, method, max_new_tok
             fresh.append(secrets.randbits(63) if seed is None else check_int("seed", seed, 0))
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}{e}") from None
-    if os.environ.get("WORLD_SIZE", "1") != "1":  # under torchrun: every rank draws the same randomness
-        import tp
-        fresh = tp.same_on_every_rank(fresh)
+    if families.parallel():  # under torchrun: every rank draws the same randomness
+        fresh = families.family("tp").same_on_every_rank(fresh)
     stop = set(target.eos_ids) if stop_ids is None else check_stop_ids(stop_ids, target.config.vocab_size)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_int("max_batch", max_batch, 1)

@@ -34,7 +34,7 @@ def prefix_block_mask(kv_num_blocks, kv_indices, full_num, full_idx, prefix, all
     rows written from prefix[b] on, those that allow[b, q] marks; with a `window`, only the slots within
     window - 1 of its own slot prefix[b] + q (a sliding-window layer); with a `context`, of the slots before
     prefix[b] only the last `context` (the drafter's context window; every row alike). Also what a compiled layer
-    rebuilds its mask with (model.run_layer), so that the mask reaches it as tensors."""
+    rebuilds its mask with (regions.run_layer), so that the mask reaches it as tensors."""
     q_len = allow.shape[-1]
     last = q_len - 1
 

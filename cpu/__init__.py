@@ -28,7 +28,7 @@ import torch._inductor.config  # read while tracing: the prepacked copies serve 
 import torch.nn as nn
 import torch.nn.functional as F
 
-import model as model_module
+import regions
 from model import Attention, Linear
 
 
@@ -178,7 +178,7 @@ def dense_mask(block_mask, q_len: int) -> torch.Tensor:
     """A PrefixMask's BlockMask as a boolean [batch, 1, q_len, slots] tensor for SDPA: its mask_mod evaluated by
     broadcasting (plain elementwise tensor code) over its first q_len rows and the slots up to the last KV block
     any request visits (one host read). Kept beside the PrefixMask's `allow` tensor (each layer's region rebuilds
-    the BlockMask from the same tensors: model.run_layer) while its prefix and allow hold the same values, so that
+    the BlockMask from the same tensors: regions.run_layer) while its prefix and allow hold the same values, so that
     the layers of one forward evaluate it once."""
     prefix, allow = block_mask.prefix_tensors[4:]
     kept = getattr(allow, "dense", None)
@@ -222,13 +222,13 @@ def compile_frozen(step):
 
 @contextlib.contextmanager
 def layers_inlined():
-    """model.COMPILE_LAYERS_ONCE off while a frozen graph is traced (and called: dynamo guards on it). Freezing
+    """regions.COMPILE_LAYERS_ONCE off while a frozen graph is traced (and called: dynamo guards on it). Freezing
     prepacks weights that are graph constants, which a compiled region's arguments are not."""
-    saved, model_module.COMPILE_LAYERS_ONCE = model_module.COMPILE_LAYERS_ONCE, False
+    saved, regions.COMPILE_LAYERS_ONCE = regions.COMPILE_LAYERS_ONCE, False
     try:
         yield
     finally:
-        model_module.COMPILE_LAYERS_ONCE = saved
+        regions.COMPILE_LAYERS_ONCE = saved
 
 
 @functools.cache

@@ -155,7 +155,7 @@ def test_greedy_with_a_draft_window_equals_ar(pair, name, method, budget):
 
 
 def test_compiled_drafts_with_a_draft_window_equal_eager(pair):
-    """The compiled round rebuilds each layer's mask from its tensors (model.run_layer): its trees, the drafts'
+    """The compiled round rebuilds each layer's mask from its tensors (regions.run_layer): its trees, the drafts'
     tokens, equal eager's with the window, and differ from those without it; the tokens equal AR's."""
     target, drafters = pair
     prompt = (random_prompts(1, target.config.vocab_size, 30, seed=9)[0] * 2)[:40]

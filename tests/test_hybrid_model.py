@@ -23,7 +23,7 @@ import draft_tree
 from conftest import WeightReads, causal, float64_kept, written_once
 from test_model import copy_checkpoint, raises, rewrite_config, rewrite_weights
 from gated_delta import Recurrent
-import model as model_mod
+import regions
 from model import Qwen3
 from tree_attn import PrefixMask, compact_kv
 
@@ -488,7 +488,7 @@ def test_recurrent_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     kinds = len({hasattr(layer, "linear_attn") for layer in m.layers})
     logits, bodies, states = compiled()
     assert len(bodies) == 2 * len(m.layers) and len(set(bodies)) == 2 * kinds  # chain and tree bodies per kind
-    monkeypatch.setattr(model_mod, "COMPILE_LAYERS_ONCE", False)
+    monkeypatch.setattr(regions, "COMPILE_LAYERS_ONCE", False)
     ref, inlined, ref_states = compiled()
     assert inlined == [] and max_diff(logits, ref) < 1e-5
     assert max(max_diff(a, b) for a, b in zip(states, ref_states)) < 1e-5 and any(t.abs().max() > 0.1 for t in states)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 import cpu
 import loading
-import model as model_mod
+import regions
 from conftest import WeightReads, causal, written_once
 from model import Qwen3
 from scripts.checkpoints import layer_weights, qwen3_config, save_checkpoint
@@ -694,7 +694,7 @@ def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     pos = torch.arange(12)
     mask = PrefixMask(12, CACHE, "cpu").set(0, causal(12))
 
-    def regions(**patch):
+    def compiled_layers(**patch):
         graphs = []
 
         def backend(gm, example_inputs):
@@ -715,7 +715,7 @@ def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
     # The BlockMask goes in as its tensors and is rebuilt inside: dynamo traces the region once and reuses the trace
     # for every later layer (a BlockMask argument would make it trace each layer again).
     compilation_time_metrics.clear()
-    logits, bodies, caches = regions()
+    logits, bodies, caches = compiled_layers()
     assert len(bodies) == len(m.layers) >= 2 and len(set(bodies)) == 1
     if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
         # torch 2.13 on reuses one trace for every layer (and times it under this name); 2.11 traces each layer
@@ -723,13 +723,13 @@ def test_layers_compiled_once_as_one_region(ckpt, monkeypatch):
         assert len(compilation_time_metrics["invoke_subgraph_trace"]) == 1, dict(compilation_time_metrics)
     assert max_diff(logits, ref) < 1e-5 and all(max_diff(a, b) < 1e-5 for a, b in zip(caches, ref_caches))
     with cpu.layers_inlined():
-        assert regions()[1] == []
-    assert model_mod.COMPILE_LAYERS_ONCE
+        assert compiled_layers()[1] == []
+    assert regions.COMPILE_LAYERS_ONCE
     seen = []  # what a frozen graph's trace reads of the switch
-    cpu.compile_frozen(lambda x: (seen.append(model_mod.COMPILE_LAYERS_ONCE), x + 1)[1])(torch.ones(2))
-    assert seen == [False] and model_mod.COMPILE_LAYERS_ONCE
-    monkeypatch.setattr(model_mod, "COMPILE_LAYERS_ONCE", False)
-    logits, bodies, _ = regions()
+    cpu.compile_frozen(lambda x: (seen.append(regions.COMPILE_LAYERS_ONCE), x + 1)[1])(torch.ones(2))
+    assert seen == [False] and regions.COMPILE_LAYERS_ONCE
+    monkeypatch.setattr(regions, "COMPILE_LAYERS_ONCE", False)
+    logits, bodies, _ = compiled_layers()
     assert bodies == [] and max_diff(logits, ref) < 1e-5
 
 
@@ -757,9 +757,11 @@ def test_config_fields_that_do_not_change_the_math_load(broken):
     Qwen3.from_pretrained(broken, device="cpu")
 
 
-# The dense core applies no family (docs/recurrent_tree.md, "Hooks"; families.py): a dense checkpoint loads and runs
-# without importing a family's module, and the dense target has none of the recurrent hooks the engine would call.
-FAMILY_MODULES = {"hybrid", "gated_delta", "moe", "rope", "tp"}
+# The dense core applies no family (docs/families.md; families.py): a dense checkpoint loads and runs, and the bundled
+# dense pair generates (greedy and sampled), without importing a family's or an optional module, and the dense target
+# has none of the recurrent hooks the engine would call.
+FAMILY_MODULES = {"hybrid", "gated_delta", "moe", "rope", "tp", "dflash2", "gemma4", "drafter_options", "multimodal",
+                  "budget"}
 DENSE_RUN = """
 import sys
 import torch
@@ -771,11 +773,17 @@ m.setup_cache(128)
 mask = PrefixMask(4, 128, "cpu").set(torch.zeros(1, dtype=torch.long))
 with torch.no_grad():
     m(torch.arange(4)[None], torch.arange(4)[None], torch.arange(4)[None], mask)
+from ddtree import DEFAULT_DRAFT, DEFAULT_TARGET, generate
+from drafter import DFlashDrafter
+target, drafter = Qwen3.from_pretrained(DEFAULT_TARGET, device="cpu"), DFlashDrafter.from_pretrained(DEFAULT_DRAFT)
+for temperature in (0.0, 0.8):
+    assert len(generate(target, drafter, list(range(10, 30)), budget=8, max_new_tokens=4, temperature=temperature,
+                        seed=0).tokens) == 4
 print(sorted(set(sys.modules) & set(sys.argv[3].split(","))))
 """
 
 
-def test_a_dense_target_loads_and_runs_without_a_family_module(ckpt):
+def test_a_dense_target_and_the_bundled_pair_run_without_a_family_module(ckpt):
     import settings
     assert Qwen3.recurrent is False and not [h for h in settings.RECURRENT_HOOKS if hasattr(Qwen3, h)]
     out = subprocess.run([sys.executable, "-c", DENSE_RUN, REPO_ROOT, ckpt("config_v5")[0], ",".join(FAMILY_MODULES)],
