@@ -255,7 +255,8 @@ def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device,
     not read. take(name, stored): the part of a safetensors slice to read (tp.take). aliases: {file's name: ours}."""
     files = safetensors_files(path)
     header = read_header(files, skip_prefixes)
-    prefix = layout_prefix(header, (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix))
+    prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix)
+    prefix = next((p for p in prefixes if any(k.startswith(p) for k in header)), "")  # the first the names use
 
     def stripped(key):
         name = key[len(prefix):] if prefix and key.startswith(prefix) and key != prefix + "lm_head.weight" else key
@@ -301,7 +302,10 @@ def place_tensors(model: nn.Module, path: str, header: dict, stripped, optional,
         puts, shape, covers = hooked.get(name) or tensor_place(name, wanted, parts, model)
         if puts is None:
             raise ValueError(f"{file}: unexpected tensor {key!r} (is this the right kind of checkpoint?)")
-        read_shape = stored_shape if take is None else read_shape_of(take, name, stored_shape, file)
+        try:  # the shape take reads of it, found on the meta device
+            read_shape = stored_shape if take is None else take(name, torch.empty(stored_shape, device="meta")).shape
+        except ValueError as e:  # a shape config.json contradicts, found while slicing
+            raise ValueError(f"{file}: {e}") from None
         if tuple(read_shape) != tuple(shape):
             raise ValueError(f"{file}: tensor {key!r} has shape {tuple(read_shape)}, config.json implies "
                              f"{tuple(shape)}")
@@ -327,19 +331,6 @@ def tensor_place(name: str, wanted: dict, parts: dict, model: nn.Module) -> tupl
     if name in wanted:
         return [(name, None, None)], wanted[name], (name,)
     return None, None, ()
-
-
-def read_shape_of(take, name: str, shape, file: str) -> tuple:
-    """The shape take(name, stored) reads of a stored tensor of `shape`, found on the meta device."""
-    try:
-        return tuple(take(name, torch.empty(shape, device="meta")).shape)
-    except ValueError as e:  # a shape config.json contradicts, found while slicing
-        raise ValueError(f"{file}: {e}") from None
-
-
-def layout_prefix(header: dict, prefixes: tuple) -> str:
-    """The first of `prefixes` that some tensor name of the checkpoint starts with ("" when none does)."""
-    return next((p for p in prefixes if any(k.startswith(p) for k in header)), "")
 
 
 def read_header(files: list[str], skip_prefixes: tuple = ()) -> dict:
