@@ -1,9 +1,16 @@
 """Writing checkpoints in the real formats: a byte-level BPE tokenizer, Qwen3 (Hugging Face layout) and DFlash
-(z-lab layout) files. Used by the training scripts, the random-pair script and the tests' fixtures."""
+(z-lab layout) files. Used by the training script, the benchmarks and the tests' fixtures; its command line writes
+a small random pair with a tokenizer, to exercise the code paths offline (random weights accept nothing):
 
+    python scripts/checkpoints.py random-pair --out runs/random-pair [--vocab 1024] [--seed 0]
+    python ddtree.py --target runs/random-pair/target --draft runs/random-pair/draft --prompt "def f(x):"
+"""
+
+import argparse
 import glob
 import json
 import os
+import sys
 import sysconfig
 
 import torch
@@ -382,3 +389,67 @@ def save_hybrid(hf, out_dir: str, layout: str = "causal_lm", max_shard_size: str
                 idx = json.load(f)
             idx["weight_map"].update({k: files[-1] for k in w if k.startswith("mtp.")})
             write_json_file(index, idx)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command line: a random pair with a tokenizer
+
+
+def write_random_pair(out: str, vocab: int = 1024, seed: int = 0) -> tuple[str, str]:
+    """A random Qwen3 target (hidden 128, 4 layers, tokenizer trained on the standard library's first 200 files)
+    under out/target and a one-layer DFlash drafter for it (block 8, reading target layers 1 and 2) under
+    out/draft; returns the two paths."""
+    target_dir, draft_dir = os.path.join(out, "target"), os.path.join(out, "draft")
+    files, _ = stdlib_files()
+    tok = train_tokenizer(files[:200], vocab, target_dir)
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    config = qwen3_config(tok.get_vocab_size(), hidden=128, inter=256, layers=4, heads=4, kv_heads=2, head_dim=32,
+                          eos=eos)
+    save_checkpoint(target_dir, config, random_qwen3_weights(config, seed=seed), eos_ids=eos)
+    draft = dflash_config(config, layers=1, block_size=8, mask_token_id=tok.token_to_id("<|mask|>"),
+                          target_layer_ids=[1, 2])
+    save_checkpoint(draft_dir, draft, random_dflash_weights(draft, seed=seed + 1))
+    return target_dir, draft_dir
+
+
+def at_least_one(text: str) -> int:
+    """argparse's type for --vocab: a whole number of at least 1 (the tokenizer adds its byte alphabet anyway)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text!r}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    from cli import one_line_errors
+    raw = argparse.RawDescriptionHelpFormatter
+    p = one_line_errors(argparse.ArgumentParser(description=__doc__, formatter_class=raw))
+    commands = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    pair = one_line_errors(commands.add_parser("random-pair", help="a random target and drafter, with a tokenizer",
+                                               description=write_random_pair.__doc__))
+    pair.add_argument("--out", default="runs/random-pair")
+    pair.add_argument("--vocab", type=at_least_one, default=1024)
+    pair.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv=None) -> int:
+    """Runs the command; 2 with one `error:` line for bad options."""
+    try:
+        a = parser().parse_args(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    target_dir, draft_dir = write_random_pair(a.out, a.vocab, a.seed)
+    with open(os.path.join(target_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    print(f"wrote {target_dir} and {draft_dir} (vocab {vocab})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # cli.py, beside ddtree.py
+    sys.exit(main())

@@ -112,8 +112,8 @@ def test_bad_api_input_is_a_clear_value_error(pair, kwargs, message):
 def checkpoint(tmp_path_factory):
     """A random target with a tokenizer and chat template, written by the project's own script."""
     out = tmp_path_factory.mktemp("cli")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_random_pair.py"), "--out", str(out),
-                    "--vocab", "512"], check=True, capture_output=True)
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "checkpoints.py"), "random-pair", "--out",
+                    str(out), "--vocab", "512"], check=True, capture_output=True)
     return str(out / "target")
 
 
