@@ -37,7 +37,7 @@ import families  # noqa: E402
 from model import Qwen3, Qwen3Config, rope_frequencies  # noqa: E402
 from sampler import Sampling  # noqa: E402
 from text import Text  # noqa: E402
-from train_target import HELD_OUT_EVERY, read  # noqa: E402
+from train import HELD_OUT_EVERY, read  # noqa: E402
 from tree_attn import PrefixMask, compact_kv  # noqa: E402
 from cli import grouped  # noqa: E402
 

@@ -246,7 +246,7 @@ def zlab_weights(drafter: torch.nn.Module, dtype=torch.float32) -> dict:
 
 
 def add_training_options(p, lr: float, weight_decay: float, bf16_help: str | None = None):
-    """The optimizer, precision, bookkeeping and machine options both training scripts take."""
+    """The optimizer, precision, bookkeeping and machine options both training commands take (scripts/train.py)."""
     import argparse
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--warmup", type=int, default=50)

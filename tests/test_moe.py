@@ -231,10 +231,10 @@ def test_sampled_ddtree_on_a_moe_target_follows_the_law(capsys):
 
 
 def test_train_drafter_runs_on_a_moe_target(tmp_path):
-    """scripts/train_drafter.py on a MoE target (its batched feature pass goes through the sparse MLP), and the
+    """`scripts/train.py drafter` on a MoE target (its batched feature pass goes through the sparse MLP), and the
     drafter it writes decodes losslessly with that target."""
     import shutil
-    import train_drafter
+    import train
     from checkpoints import moe_config, qwen3_config, random_qwen3_weights
     bundled = os.path.join(ROOT, "assets", "tiny-target")
     vocab = json.load(open(os.path.join(bundled, "config.json")))["vocab_size"]
@@ -245,10 +245,10 @@ def test_train_drafter_runs_on_a_moe_target(tmp_path):
     for f in os.listdir(bundled):
         if f.startswith("tokenizer"):
             shutil.copy(os.path.join(bundled, f), target_dir)
-    train_drafter.main(["--target", target_dir, "--out", draft_dir, "--layers", "1", "--block-size", "4",
-                        "--target-layers", "2,0", "--seq", "48", "--batch", "2", "--anchors", "4", "--greedy-seqs",
-                        "4", "--prompt-len", "16", "--eval-contexts", "4", "--eval-lengths", "16,24",
-                        "--eval-every", "2", "--save-every", "2", "--steps", "2", "--threads", "1"])
+    train.main(["drafter", "--target", target_dir, "--out", draft_dir, "--layers", "1", "--block-size", "4",
+                "--target-layers", "2,0", "--seq", "48", "--batch", "2", "--anchors", "4", "--greedy-seqs",
+                "4", "--prompt-len", "16", "--eval-contexts", "4", "--eval-lengths", "16,24",
+                "--eval-every", "2", "--save-every", "2", "--steps", "2", "--threads", "1"])
     target = Qwen3.from_pretrained(target_dir, device="cpu")
     drafter = DFlashDrafter.from_pretrained(os.path.join(draft_dir, "final"), device="cpu")
     assert drafter.config.target_layer_ids == [2, 0]

@@ -19,11 +19,10 @@ from model import Qwen3
 from tree_attn import PrefixMask
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import train_drafter  # noqa: E402
-import train_target  # noqa: E402
+import train  # noqa: E402
 from checkpoints import qwen3_config, save_checkpoint  # noqa: E402
-from train_drafter import (block_inputs, block_labels, dense_block_mask, dflash_loss, diffusion_loss,  # noqa: E402
-                           flex_block_mask, training_logits, training_mask)
+from train import (block_inputs, block_labels, dense_block_mask, dflash_loss, diffusion_loss,  # noqa: E402
+                   flex_block_mask, training_logits, training_mask)
 
 VOCAB = 64
 CACHE = 256
@@ -64,7 +63,7 @@ def test_target_training_forward_equals_inference(pair):
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, VOCAB, (2, 37), generator=g)
     with torch.no_grad():
-        logits, feats = train_target.forward_batch(target, batch, feature_layers=(0, 2))
+        logits, feats = train.forward_batch(target, batch, feature_layers=(0, 2))
     for b in range(2):
         ref_logits, ref_feats = inference_forward(target, batch[b], feature_layers=(0, 2))
         assert (logits[b] - ref_logits).abs().max() < TOL
@@ -74,7 +73,7 @@ def test_target_training_forward_equals_inference(pair):
 def test_batched_greedy_decoder_equals_ar_generate(pair):
     target, _ = pair
     prompts = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(1))
-    new = train_target.greedy_continue(target, prompts, 12)
+    new = train.greedy_continue(target, prompts, 12)
     for b in range(3):
         ref = generate(target, None, prompts[b].tolist(), method="ar", max_new_tokens=12, stop_ids=[]).tokens
         assert new[b].tolist() == ref
@@ -82,25 +81,25 @@ def test_batched_greedy_decoder_equals_ar_generate(pair):
 
 def test_target_loss_decreases():
     c = qwen3_config(VOCAB, hidden=32, inter=64, layers=2, heads=2, kv_heads=1, head_dim=16, eos=(1, 0))
-    model = train_target.build_target(c, seed=0)
+    model = train.build_target(c, seed=0)
     g = torch.Generator().manual_seed(0)
     stream = torch.randint(0, 8, (40,), generator=g).repeat(20)  # a repeated pattern: learnable
-    windows = train_target.random_crops(stream, 4, 32, g)
+    windows = train.random_crops(stream, 4, 32, g)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    first = train_target.lm_loss(model, windows).item()
+    first = train.lm_loss(model, windows).item()
     for _ in range(15):
-        loss = train_target.lm_loss(model, windows)
+        loss = train.lm_loss(model, windows)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert train_target.lm_loss(model, windows).item() < 0.7 * first
+    assert train.lm_loss(model, windows).item() < 0.7 * first
 
 
 def test_hf_weights_round_trip(pair, tmp_path):
     target, _ = pair
     with open(os.path.join(target.path, "config.json")) as f:
         config = json.load(f)
-    save_checkpoint(str(tmp_path), config, train_target.hf_weights(target), eos_ids=[1])
+    save_checkpoint(str(tmp_path), config, train.hf_weights(target), eos_ids=[1])
     again = Qwen3.from_pretrained(str(tmp_path), device="cpu")
     ids = torch.arange(10) % VOCAB
     assert torch.equal(inference_forward(target, ids)[0], inference_forward(again, ids)[0])
@@ -108,10 +107,10 @@ def test_hf_weights_round_trip(pair, tmp_path):
 
 def test_function_samples_and_chat_text():
     src = 'class A:\n    def f(self, x):\n        """Add one.\n\n        More."""\n        return x + 1\n'
-    (prompts, body), = train_target.function_samples(src)
+    (prompts, body), = train.function_samples(src)
     assert prompts == ["def f(self, x):", "Add one."]
     assert body.startswith("def f(self, x):\n    \"\"\"Add one.") and body.endswith("return x + 1\n")
-    assert train_target.chat_text("q", "a") == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"
+    assert train.chat_text("q", "a") == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -169,7 +168,7 @@ def test_drafter_training_forward_equals_draft(pair):
     anchors = torch.tensor([[1, 9, 11, 26], [3, 4, 17, 20]])
     ids = tuple(drafter.config.target_layer_ids)
     with torch.no_grad():
-        _, features = train_target.forward_batch(target, tokens, feature_layers=ids)
+        _, features = train.forward_batch(target, tokens, feature_layers=ids)
         blocks, positions = block_inputs(tokens, anchors, bs, drafter.config.mask_token_id)
         logits = training_logits(drafter, target.embed_tokens, target.lm_head, features, blocks, positions,
                                  training_mask(anchors, tokens.shape[1], bs))
@@ -210,7 +209,7 @@ def test_drafter_loss_decreases(pair, objective, kl):
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
 
     def loss_at(seed):
-        return train_drafter.batch_loss(a, drafter, target, tokens, torch.Generator().manual_seed(seed),
+        return train.batch_loss(a, drafter, target, tokens, torch.Generator().manual_seed(seed),
                                         drafter.block_size, drafter.config.mask_token_id)[0]
 
     first = loss_at(0).item()
@@ -246,9 +245,9 @@ def test_losses_weights():
 def test_scripts_train_save_reload_decode_and_resume(tmp_path):
     tdir, ddir = str(tmp_path / "target"), str(tmp_path / "draft")
     common = ["--files", "6", "--threads", "1", "--seed", "0"]
-    train_target.main(["--out", tdir, "--vocab", "300", "--hidden", "64", "--inter", "96", "--layers", "3",
-                       "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--seq", "64", "--batch", "2",
-                       "--steps", "3", "--eval-every", "3", "--save-every", "3"] + common)
+    train.main(["target", "--out", tdir, "--vocab", "300", "--hidden", "64", "--inter", "96", "--layers", "3",
+                "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--seq", "64", "--batch", "2",
+                "--steps", "3", "--eval-every", "3", "--save-every", "3"] + common)
     final_t = os.path.join(tdir, "final")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "generation_config.json"):
@@ -261,10 +260,10 @@ def test_scripts_train_save_reload_decode_and_resume(tmp_path):
     args = ["--target", final_t, "--out", ddir, "--layers", "1", "--block-size", "4", "--target-layers", "0,1",
             "--seq", "48", "--batch", "2", "--anchors", "4", "--greedy-seqs", "4", "--prompt-len", "16",
             "--eval-contexts", "4", "--eval-lengths", "16,24", "--eval-every", "2", "--save-every", "2"] + common
-    train_drafter.main(args + ["--steps", "2"])
+    train.main(["drafter"] + args + ["--steps", "2"])
     state = json.load(open(os.path.join(ddir, "state.json")))
     assert state["step"] == 2 and [e["step"] for e in state["log"]] == [0, 2]
-    train_drafter.main(args + ["--steps", "4"])  # resumes at step 2
+    train.main(["drafter"] + args + ["--steps", "4"])  # resumes at step 2
     state = json.load(open(os.path.join(ddir, "state.json")))
     assert state["step"] == 4 and [e["step"] for e in state["log"]] == [0, 2, 4]
     config = json.load(open(os.path.join(ddir, "final", "config.json")))
@@ -281,10 +280,10 @@ def test_scripts_train_save_reload_decode_and_resume(tmp_path):
     # --init fine-tunes from the exported drafter: its shape is the checkpoint's (not these defaults), and its
     # step-0 evaluation (same seed, so the same held-out contexts) is the source run's last one
     tuned = str(tmp_path / "tuned")
-    train_drafter.main(["--target", final_t, "--out", tuned, "--init", os.path.join(ddir, "final"), "--seq", "48",
-                        "--batch", "2", "--anchors", "4", "--greedy-seqs", "4", "--prompt-len", "16",
-                        "--eval-contexts", "4", "--eval-lengths", "16,24", "--eval-every", "2", "--save-every",
-                        "2", "--steps", "2"] + common)
+    train.main(["drafter", "--target", final_t, "--out", tuned, "--init", os.path.join(ddir, "final"), "--seq", "48",
+                "--batch", "2", "--anchors", "4", "--greedy-seqs", "4", "--prompt-len", "16",
+                "--eval-contexts", "4", "--eval-lengths", "16,24", "--eval-every", "2", "--save-every",
+                "2", "--steps", "2"] + common)
     log = json.load(open(os.path.join(tuned, "state.json")))["log"]
     assert (log[0]["acc"], log[0]["eval_ce"]) == (state["log"][-1]["acc"], state["log"][-1]["eval_ce"])
     tuned_config = json.load(open(os.path.join(tuned, "final", "config.json")))
@@ -293,11 +292,11 @@ def test_scripts_train_save_reload_decode_and_resume(tmp_path):
     # --dflash2 upgrades it to a DFlash 2 drafter: its layers copied, its convolutions the identity at first (the
     # step-0 logits, so the held-out cross-entropy, are the source's), trained with the selector, lossless
     two = str(tmp_path / "dflash2")
-    train_drafter.main(["--target", final_t, "--out", two, "--init", os.path.join(ddir, "final"), "--dflash2",
-                        "--conv-group", "16", "--selector-rank", "8", "--selector-top-k", "4", "--seq", "48",
-                        "--batch", "2", "--anchors", "4", "--greedy-seqs", "4", "--prompt-len", "16",
-                        "--eval-contexts", "4", "--eval-lengths", "16,24", "--eval-every", "2", "--save-every",
-                        "2", "--steps", "2"] + common)
+    train.main(["drafter", "--target", final_t, "--out", two, "--init", os.path.join(ddir, "final"), "--dflash2",
+                "--conv-group", "16", "--selector-rank", "8", "--selector-top-k", "4", "--seq", "48",
+                "--batch", "2", "--anchors", "4", "--greedy-seqs", "4", "--prompt-len", "16",
+                "--eval-contexts", "4", "--eval-lengths", "16,24", "--eval-every", "2", "--save-every",
+                "2", "--steps", "2"] + common)
     log = json.load(open(os.path.join(two, "state.json")))["log"]
     assert log[0]["eval_ce"] == pytest.approx(state["log"][-1]["eval_ce"], abs=1e-4) and len(log) == 2
     drafter2 = DFlashDrafter.from_pretrained(os.path.join(two, "final"), device="cpu")

@@ -1,43 +1,37 @@
-"""Distil a DFlash block-diffusion drafter from a Qwen3 target (the bundled tiny one on a CPU; a real one on a GPU
-by the same command).
+"""Training on a CPU in minutes (the bundled pair) or on a GPU by the same commands (a real target), one command
+each:
 
-    python scripts/train_drafter.py --target runs/target/final --out runs/draft --steps 550
+    python scripts/train.py target --out runs/target --steps 1500     # the bundled tiny Qwen3 target
+    cp runs/target/final/* assets/tiny-target/
+    python scripts/train.py drafter --target runs/target/final --out runs/draft --steps 550   # a DFlash drafter
     cp runs/draft/final/* assets/tiny-draft/
 
-The target is frozen: its chosen-layer features are the drafter's context, its embedding embeds the block and its
-lm_head reads the drafter's output. Each step takes B sequences, half windows of real code and half the target's
-own greedy continuations of real prompts (generated once and cached in --out; a quarter of those prompts end right
-after a chat template's assistant header, which is what the CLI feeds), runs the target over them, and places
-random anchors; block j is [token at anchor, MASK ...] at positions anchor .. anchor + block_size - 1, sees the
-context strictly before its anchor and its whole block (block_mask_mod). Its labels are the target's greedy
-tokens, kept only while the sequence follows the target's greedy path from the anchor (block_labels), so
-every label is what the target's greedy decoding from that anchor produces.
+    python scripts/train.py COMMAND --help        (what it trains, how; its options)
 
-Objectives (--objective):
-  dflash     DFlash's hard cross-entropy on the greedy labels, all block positions masked (the inference form),
-             position k weighted exp(-(k - 1) / gamma) (+ --kl-weight x KL to the target, default 0);
-  diffusion  the block-diffusion masked ELBO: per block t ~ U(0, 1] (stratified over the batch), each position
-             k >= 1 masked with probability t, cross-entropy on masked positions weighted 1/t, plus --kl-weight
-             (default 1) x KL(target || drafter) on the same positions.
-
-Every --eval-every steps: held-out acceptance one step from real held-out contexts (contexts cut from held-out
-files, the target's greedy bonus and rollout as labels): per-position accuracy of the drafter's argmax and the
-chain's expected tokens per round (tau = 1 + accepted drafts). Resumable: --out holds the latest state
-(safetensors + json); rerunning the command continues. The result (--out/final) is in z-lab's layout, loadable
-by drafter.DFlashDrafter.from_pretrained. docs/training.md explains the recipe; the functions below hold it in
-reading order: the mask rule, the batched forward, anchors / labels / inputs, the losses, then data, the training
-step and evaluation, and main.
+Both train on the Python standard library's source (every 20th file held out for evaluation) and are resumable:
+--out holds the latest state (the trainable module's parameters and the optimizer's moments in safetensors, the
+step, log and arguments in a json), and running the same command again continues from it; the batch of a step is a
+function of (--seed, step), so a resumed run goes on as one that never stopped. The result is --out/final.
+docs/training.md explains the drafter's recipe; this file holds, in reading order, the target's batched forward
+and data, the loop both commands share, the target command, the drafter's batch (the mask rule, the batched
+forward, anchors / labels / inputs, the losses), data and evaluation, the drafter command, and the command line.
 """
 
 import argparse
+import ast
+import inspect
 import json
+import math
 import os
+import random
+import shutil
 import sys
+import textwrap
 import time
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch.nn import functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,14 +40,360 @@ for p in (HERE, ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from checkpoints import (add_training_options, as_dflash2, load_train_state, save_checkpoint,  # noqa: E402
-                         save_train_state, stdlib_files, zlab_config, zlab_weights, atomic_write, write_json_file)
+from checkpoints import (CHAT_TEMPLATE, add_training_options, as_dflash2, atomic_write, load_train_state,  # noqa: E402
+                         qwen3_config, save_checkpoint, save_train_state, stdlib_files, train_tokenizer,
+                         write_json_file, zlab_config, zlab_weights)
 from dflash2 import DFlash2Config, DFlash2Drafter, walk_lattice  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from loading import check_pair  # noqa: E402
-from loading import read_json  # noqa: E402
-from model import Qwen3, apply_rope, rope_cos_sin  # noqa: E402
-from train_target import HELD_OUT_EVERY, build_stream, forward_batch, greedy_continue, init_weights, lr_at  # noqa: E402
+from loading import check_pair, checkpoint_tensors, read_json  # noqa: E402
+from model import Qwen3, Qwen3Config, apply_rope, rope_cos_sin  # noqa: E402
+
+HELD_OUT_EVERY = 20
+
+# ----------------------------------------------------------------------------------------------------------------
+# The batched training forward over model.Qwen3's modules (also a KV-cached batched greedy decoder)
+
+
+def attention(attn, h, cos, sin, cache=None):
+    """A Qwen3 attention over a batch h [B, T, hidden]: q/k norms before RoPE, GQA, scale head_dim^-0.5.
+    Causal over the T rows; with `cache` (a list, [] at first) the K/V are appended to it (prefill with an empty
+    cache, or one decode row at a time)."""
+    B, T, _ = h.shape
+    q, k, v = attn.qkv_proj.split(attn.qkv_proj(h))
+    q = attn.q_norm(q.reshape(B, T, attn.heads, attn.head_dim)).transpose(1, 2)
+    k = attn.k_norm(k.reshape(B, T, attn.kv_heads, attn.head_dim)).transpose(1, 2)
+    v = v.reshape(B, T, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    past = 0
+    if cache is not None:
+        if cache:
+            past = cache[0].shape[2]
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        cache[:] = [k, v]
+    if past and T > 1:
+        raise ValueError("forward_batch: several rows after a cached prefix are not supported")
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=attn.head_dim ** -0.5,
+                                         enable_gqa=attn.heads != attn.kv_heads)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.heads * attn.head_dim))
+
+
+def forward_batch(model: Qwen3, tokens, feature_layers=(), caches=None, start: int = 0, hidden_only=False):
+    """tokens [B, T] at positions start.. -> (float32 logits [B, T, V] (or the final-normed hidden states with
+    hidden_only), features [B, T, len(feature_layers) * hidden] or None). Same semantics as Qwen3.forward with a
+    causal mask, including the last-layer feature being taken after the final norm."""
+    x = model.embed_tokens(tokens)
+    pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+    cos, sin = rope_cos_sin(pos, model.inv_freq, model.rope_attention_factor, x.dtype)
+    features, last = [], len(model.layers) - 1
+    for i, layer in enumerate(model.layers):
+        cache = caches[i] if caches is not None else None
+        x = x + attention(layer.self_attn, layer.input_layernorm(x), cos, sin, cache)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i in feature_layers:
+            features.append(model.norm(x) if i == last else x)
+    h = model.norm(x)
+    out = h if hidden_only else model.lm_head(h).float()
+    return out, (torch.cat(features, dim=-1) if features else None)
+
+
+@torch.no_grad()
+def greedy_continue(model: Qwen3, prompts, n_new: int, stop_ids=()):
+    """Batched greedy continuation of equal-length prompts [B, P] -> new tokens [B, n_new] (KV-cached). Rows keep
+    going after a stop token (callers cut there if they care)."""
+    caches = [[] for _ in model.layers]
+    logits, _ = forward_batch(model, prompts, caches=caches)
+    out = [logits[:, -1].argmax(-1)]
+    P = prompts.shape[1]
+    for i in range(1, n_new):
+        logits, _ = forward_batch(model, out[-1][:, None], caches=caches, start=P + i - 1)
+        out.append(logits[:, -1].argmax(-1))
+    return torch.stack(out, dim=1)
+
+
+def init_weights(model: Qwen3, seed: int, std: float = 0.02):
+    """GPT-2 style: N(0, std) for embeddings and projections, residual outputs scaled by 1/sqrt(2 * layers)."""
+    g = torch.Generator().manual_seed(seed)
+    out_std = std / math.sqrt(2 * len(model.layers))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * out_std)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def build_target(config: dict, seed: int = 0) -> Qwen3:
+    model = Qwen3(Qwen3Config.from_dict(config))
+    init_weights(model, seed)
+    eos = config["eos_token_id"]
+    model.eos_ids = list(eos) if isinstance(eos, list) else [eos]
+    return model
+
+
+def hf_weights(model: Qwen3, dtype=torch.float32) -> dict:
+    """model.Qwen3's parameters under Hugging Face's names (a tied lm_head is left out, as the loader allows)."""
+    tied = model.config.tie_word_embeddings
+    w = {}
+    for name, p in checkpoint_tensors(model).items():
+        if name == "lm_head.weight":
+            if not tied:
+                w[name] = p.detach().to(dtype).clone()
+        else:
+            w["model." + name] = p.detach().to(dtype).clone()
+    return w
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data: source files and chat-formatted function samples, as one token stream
+
+
+def chat_text(user: str, assistant: str) -> str:
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{assistant}<|im_end|>\n"
+
+
+def function_samples(source: str, max_chars: int = 1500):
+    """(prompt, function source) pairs from a file: the prompt is the def line, or the docstring's first
+    paragraph. Functions at any depth, dedented; decorators left out."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines(keepends=True)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.end_lineno is None:
+            continue
+        body = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).rstrip() + "\n"
+        if len(body) > max_chars or not body.lstrip().startswith(("def ", "async def ")):
+            continue
+        header_end = node.body[0].lineno - 1  # the def line(s) end before the first body statement
+        header = textwrap.dedent("".join(lines[node.lineno - 1:max(header_end, node.lineno)])).strip()
+        if not header.endswith(":") or len(header) > 300:
+            header = body.splitlines()[0].strip()
+        doc = ast.get_docstring(node)
+        prompts = [header]
+        if doc:
+            prompts.append(doc.strip().split("\n\n")[0].strip())
+        out.append((prompts, body))
+    return out
+
+
+def read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def build_stream(tok, files, chat_fraction: float, seed: int):
+    """One shuffled token stream of whole files (each followed by <|endoftext|>) and chat samples, with chat
+    samples making up about `chat_fraction` of the tokens."""
+    rng = random.Random(seed)
+    eot = tok.token_to_id("<|endoftext|>")
+    texts = [read(f) for f in files]
+    docs = [ids + [eot] for ids in (e.ids for e in tok.encode_batch(texts, add_special_tokens=False))]
+    chats = []
+    for text in texts:
+        for prompts, body in function_samples(text):
+            chats.append(chat_text(rng.choice(prompts), body))
+    rng.shuffle(chats)
+    chat_docs = [e.ids + [eot] for e in tok.encode_batch(chats, add_special_tokens=False)]
+    file_tokens = sum(map(len, docs))
+    want = chat_fraction / (1 - chat_fraction) * file_tokens if chat_fraction < 1 else float("inf")
+    kept, n = [], 0
+    for d in chat_docs:
+        if n >= want:
+            break
+        kept.append(d)
+        n += len(d)
+    all_docs = docs + kept
+    rng.shuffle(all_docs)
+    stream = torch.tensor([t for d in all_docs for t in d], dtype=torch.long)
+    return stream, dict(file_tokens=file_tokens, chat_tokens=n, chat_samples=len(kept),
+                        chat_available=len(chat_docs))
+
+
+def random_crops(stream, batch: int, seq: int, generator):
+    """[batch, seq + 1] windows at random offsets of the stream."""
+    starts = torch.randint(0, stream.numel() - seq - 1, (batch,), generator=generator)
+    return torch.stack([stream[s:s + seq + 1] for s in starts.tolist()])
+
+
+def lm_loss(model, windows):
+    logits, _ = forward_batch(model, windows[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, stream, seq: int, batches: int, batch: int):
+    """Mean loss over fixed, evenly spaced windows of a held-out stream."""
+    n = batches * batch
+    step = max(1, (stream.numel() - seq - 1) // n)
+    windows = torch.stack([stream[i * step:i * step + seq + 1] for i in range(n)])
+    return sum(lm_loss(model, windows[i:i + batch]).item() for i in range(0, n, batch)) / batches
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop both commands share: the files, the optimizer and its state, the steps, the final checkpoint
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, final_frac: float = 0.1) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def training_files(a) -> tuple[list, list]:
+    """The standard library's files (training, held out), only the first --files of them when it is set (tests)."""
+    train_files, held_files = stdlib_files(HELD_OUT_EVERY)
+    if a.files:
+        train_files, held_files = train_files[:a.files], held_files[:max(1, a.files // 10)]
+    return train_files, held_files
+
+
+def optimizer_and_state(a, module: torch.nn.Module) -> tuple[torch.optim.Optimizer, int, list]:
+    """AdamW over `module` (weight decay on matrices only), and (step, log) where the state in --out left them,
+    the optimizer's moments restored with it; (0, []) for a fresh run."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    state = load_train_state(a.out, module, opt)
+    return (opt, state["step"], state["log"]) if state else (opt, 0, [])
+
+
+def train_steps(a, module, opt, step: int, log: list, stop: int, loss_of, entry_of, desc: str, mininterval: float):
+    """Steps from `step` to `stop` (--steps or earlier; the learning rate follows lr_at over --steps): loss_of(the
+    step's generator, seeded by (--seed, step)) -> (loss, facts) builds a batch and its loss; the gradient is
+    clipped to norm 1. Every --eval-every steps and at `stop`, entry_of(the (loss, facts) of each step since the
+    last entry) adds an entry to `log`, the module in eval mode; every --save-every steps and at `stop` the state
+    is saved."""
+    from tqdm import tqdm
+    bar = tqdm(total=a.steps, initial=step, desc=desc, dynamic_ncols=True, mininterval=mininterval)
+    module.train()
+    since = []
+    while step < stop:
+        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, a.steps, a.lr, a.warmup)
+        loss, facts = loss_of(g)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        step += 1
+        since.append((loss.item(), facts))
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % a.eval_every == 0 or step == stop:
+            module.eval()
+            log.append(dict(step=step, **entry_of(since)))
+            module.train()
+            bar.write(json.dumps(log[-1]))
+            since = []
+        if step % a.save_every == 0 or step == stop:
+            save_train_state(a.out, module, opt, dict(step=step, log=log, args=vars(a)))
+    bar.close()
+
+
+def save_final(a, config: dict, weights_in, info: dict, eos_ids=None) -> str:
+    """--out/final: config.json (its torch_dtype --save-dtype), the weights weights_in(that dtype) gives, and
+    training_log.json (the arguments, then `info`); returns the folder."""
+    final_dir = os.path.join(a.out, "final")
+    config["torch_dtype"] = a.save_dtype
+    save_checkpoint(final_dir, config, weights_in(torch.bfloat16 if a.save_dtype == "bfloat16" else torch.float32),
+                    eos_ids=eos_ids)
+    write_json_file(os.path.join(final_dir, "training_log.json"), dict(args=vars(a), **info), 1)
+    return final_dir
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The target command
+
+
+def target_options(p):
+    p.add_argument("--out", default="runs/target", help="run directory (state, logs, final checkpoint)")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--max-pos", type=int, default=2048)
+    p.add_argument("--untied", action="store_true", help="separate lm_head (default: tied to the embedding)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--chat-fraction", type=float, default=0.2, help="share of tokens from chat-formatted samples")
+    add_training_options(p, lr=3e-3, weight_decay=0.1,
+                         bf16_help="bf16 autocast for the matmuls (fp32 weights and optimizer)")
+
+
+def train_target(a):
+    """Train the bundled tiny Qwen3 target on the Python standard library's source (CPU, minutes).
+
+        python scripts/train.py target --out runs/target --steps 1500
+        cp runs/target/final/* assets/tiny-target/
+
+    Writes a byte-level BPE tokenizer (with <|endoftext|>, the chat tokens and <|mask|>) trained on the training
+    files, then a small Qwen3 trained on a token stream that mixes whole source files with chat-formatted samples
+    (`<|im_start|>user\\n<def line or docstring><|im_end|>\\n<|im_start|>assistant\\n<the function><|im_end|>`), so
+    the CLI's default `--chat` prompt is one the model has seen. Every 20th file is held out for evaluation. The
+    result is saved in the Hugging Face layout that `model.Qwen3.from_pretrained` reads (config.json,
+    model.safetensors, tokenizer.json, tokenizer_config.json with the chat template, generation_config.json).
+
+    The training forward (`forward_batch`) runs over `model.Qwen3`'s own modules, batched, with causal SDPA and
+    autograd; our inference forward is batch-1 with a static cache and FlexAttention. tests/test_training.py checks
+    that both give the same logits and features. Resumable: `--out` holds the latest state (safetensors + a json),
+    and running the same command again continues from it.
+    """
+    t_start = time.time()
+    os.makedirs(a.out, exist_ok=True)
+    train_files, held_files = training_files(a)
+    tok_dir = os.path.join(a.out, "tokenizer")
+    if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_files, a.vocab, tok_dir, CHAT_TEMPLATE)
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    config = qwen3_config(tok.get_vocab_size(), hidden=a.hidden, inter=a.inter, layers=a.layers, heads=a.heads,
+                          kv_heads=a.kv_heads, head_dim=a.head_dim, max_pos=a.max_pos, tie=not a.untied, eos=eos)
+    stream, info = build_stream(tok, train_files, a.chat_fraction, a.seed)
+    held_stream, _ = build_stream(tok, held_files, a.chat_fraction, a.seed + 1)
+    model = build_target(config, a.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"train tokens {stream.numel():,} ({info}), held-out tokens {held_stream.numel():,}, "
+          f"params {n_params:,}", flush=True)
+    opt, step, log = optimizer_and_state(a, model)
+    if step:
+        print(f"resumed at step {step}", flush=True)
+
+    def loss_of(g):
+        windows = random_crops(stream, a.batch, a.seq, g)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+            return lm_loss(model, windows), windows[:, 1:].numel()
+
+    t_last = time.time()
+
+    def entry_of(since):
+        nonlocal t_last
+        held = evaluate(model, held_stream, a.seq, batches=4, batch=a.batch)
+        now = time.time()
+        entry = dict(loss=round(since[-1][0], 4), held_out=round(held, 4),
+                     tok_per_s=round(sum(tokens for _, tokens in since) / (now - t_last)),
+                     minutes=round((now - t_start) / 60, 2))
+        t_last = now
+        return entry
+
+    train_steps(a, model, opt, step, log, a.steps, loss_of, entry_of, "target", mininterval=5)
+    final_dir = save_final(a, config, lambda dtype: hf_weights(model, dtype),
+                           dict(data=info, params=n_params, log=log), eos_ids=eos)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the tokenizer beside the model
+        shutil.copy(os.path.join(tok_dir, name), os.path.join(final_dir, name))
+    print(f"wrote {final_dir} ({(time.time() - t_start) / 60:.1f} min)", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -328,9 +668,7 @@ def prepare_data(a, target, tok, block_size):
     path = os.path.join(a.out, "data.safetensors")
     if os.path.isfile(path):
         return load_file(path)
-    train_files, held_files = stdlib_files(HELD_OUT_EVERY)
-    if a.files:
-        train_files, held_files = train_files[:a.files], held_files[:max(1, a.files // 10)]
+    train_files, held_files = training_files(a)
     stream, _ = build_stream(tok, train_files, a.chat_fraction, a.seed)
     held, _ = build_stream(tok, held_files, a.chat_fraction, a.seed + 1)
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False).ids
@@ -433,11 +771,10 @@ class Evaluator:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Main
+# The drafter command
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def drafter_options(p):
     p.add_argument("--target", default="runs/target/final", help="Qwen3 target directory (with tokenizer.json)")
     p.add_argument("--out", default="runs/draft")
     p.add_argument("--layers", type=int, default=2)
@@ -470,7 +807,6 @@ def parse_args(argv=None):
     p.add_argument("--selector-top-k", type=int, default=8, help="DFlash 2: candidates per position")
     p.add_argument("--selector-weight", type=float, default=1.0, help="DFlash 2: the selector loss's weight")
     add_training_options(p, lr=2e-3, weight_decay=0.01)
-    return p.parse_args(argv)
 
 
 def upgraded_to_dflash2(a, config: dict, drafter: DFlashDrafter) -> tuple[dict, DFlashDrafter]:
@@ -491,30 +827,23 @@ def upgraded_to_dflash2(a, config: dict, drafter: DFlashDrafter) -> tuple[dict, 
     return config, two
 
 
-def main(argv=None):
-    a = parse_args(argv)
-    torch.set_num_threads(a.threads)
+
+def frozen_target(path: str):
+    """The target of --target, frozen, and its tokenizer."""
     from tokenizers import Tokenizer
-    from tqdm import tqdm
-    t_start = time.time()
-    os.makedirs(a.out, exist_ok=True)
-    bs = a.block_size
-    if a.kl_weight is None:
-        a.kl_weight = 1.0 if a.objective == "diffusion" else 0.0
-    if a.dflash2 and a.objective != "dflash":
-        raise SystemExit("error: --dflash2 trains with --objective dflash (the selector learns the greedy labels)")
-    target = Qwen3.from_pretrained(a.target, device="cpu", dtype=torch.float32)
+    target = Qwen3.from_pretrained(path, device="cpu", dtype=torch.float32)
     for p in target.parameters():
         p.requires_grad_(False)
-    tok = Tokenizer.from_file(os.path.join(a.target, "tokenizer.json"))
-    mask_id = tok.token_to_id("<|mask|>")
-    if mask_id is None:
-        raise SystemExit(f"{a.target}: the tokenizer has no <|mask|> token")
-    target_cfg = read_json(os.path.join(a.target, "config.json"))
+    return target, Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+
+
+def drafter_to_train(a, mask_id: int) -> tuple[dict, DFlashDrafter]:
+    """(config, drafter): --init's drafter (its shape then sets --layers, --inter, --block-size, --target-layers)
+    or a fresh one of those options, made a DFlash 2 drafter with --dflash2."""
     if a.init:
         config = read_json(os.path.join(a.init, "config.json"))
         drafter = DFlashDrafter.from_pretrained(a.init, device="cpu", dtype=torch.float32)
-        bs = a.block_size = drafter.block_size
+        a.block_size = drafter.block_size
         a.layers, a.inter = len(drafter.layers), drafter.config.model.intermediate_size
         a.target_layers = ",".join(str(i) for i in drafter.config.target_layer_ids)
         if drafter.config.mask_token_id != mask_id:
@@ -522,11 +851,58 @@ def main(argv=None):
                              f"<|mask|> ({mask_id})")
     else:
         layer_ids = [int(x) for x in a.target_layers.split(",")]
-        config = zlab_config(target_cfg, a.layers, bs, mask_id, layer_ids, a.inter or None)
+        config = zlab_config(read_json(os.path.join(a.target, "config.json")), a.layers, a.block_size, mask_id,
+                             layer_ids, a.inter or None)
         drafter = DFlashDrafter(DFlashConfig.from_dict(config))
         init_weights(drafter, a.seed)
     if a.dflash2 and not isinstance(drafter, DFlash2Drafter):
         config, drafter = upgraded_to_dflash2(a, config, drafter)
+    return config, drafter
+
+
+def train_drafter(a):
+    """Distil a DFlash block-diffusion drafter from a Qwen3 target (the bundled tiny one on a CPU; a real one on a GPU
+    by the same command).
+
+        python scripts/train.py drafter --target runs/target/final --out runs/draft --steps 550
+        cp runs/draft/final/* assets/tiny-draft/
+
+    The target is frozen: its chosen-layer features are the drafter's context, its embedding embeds the block and its
+    lm_head reads the drafter's output. Each step takes B sequences, half windows of real code and half the target's
+    own greedy continuations of real prompts (generated once and cached in --out; a quarter of those prompts end right
+    after a chat template's assistant header, which is what the CLI feeds), runs the target over them, and places
+    random anchors; block j is [token at anchor, MASK ...] at positions anchor .. anchor + block_size - 1, sees the
+    context strictly before its anchor and its whole block (block_mask_mod). Its labels are the target's greedy
+    tokens, kept only while the sequence follows the target's greedy path from the anchor (block_labels), so
+    every label is what the target's greedy decoding from that anchor produces.
+
+    Objectives (--objective):
+      dflash     DFlash's hard cross-entropy on the greedy labels, all block positions masked (the inference form),
+                 position k weighted exp(-(k - 1) / gamma) (+ --kl-weight x KL to the target, default 0);
+      diffusion  the block-diffusion masked ELBO: per block t ~ U(0, 1] (stratified over the batch), each position
+                 k >= 1 masked with probability t, cross-entropy on masked positions weighted 1/t, plus --kl-weight
+                 (default 1) x KL(target || drafter) on the same positions.
+
+    Every --eval-every steps: held-out acceptance one step from real held-out contexts (contexts cut from held-out
+    files, the target's greedy bonus and rollout as labels): per-position accuracy of the drafter's argmax and the
+    chain's expected tokens per round (tau = 1 + accepted drafts). Resumable: --out holds the latest state
+    (safetensors + json); rerunning the command continues. The result (--out/final) is in z-lab's layout, loadable
+    by drafter.DFlashDrafter.from_pretrained. docs/training.md explains the recipe; scripts/train.py holds it in
+    reading order after the target's command: the mask rule, the batched forward, anchors / labels / inputs, the
+    losses, then data, the target pass and evaluation, and this command.
+    """
+    t_start = time.time()
+    os.makedirs(a.out, exist_ok=True)
+    if a.kl_weight is None:
+        a.kl_weight = 1.0 if a.objective == "diffusion" else 0.0
+    if a.dflash2 and a.objective != "dflash":
+        raise SystemExit("error: --dflash2 trains with --objective dflash (the selector learns the greedy labels)")
+    target, tok = frozen_target(a.target)
+    mask_id = tok.token_to_id("<|mask|>")
+    if mask_id is None:
+        raise SystemExit(f"{a.target}: the tokenizer has no <|mask|> token")
+    config, drafter = drafter_to_train(a, mask_id)
+    bs = a.block_size
     a.gamma = a.gamma or bs / 2
     drafter.inv_freq = drafter.inv_freq.to(torch.float32)
     drafter.bind(target)
@@ -537,61 +913,64 @@ def main(argv=None):
     data = prepare_data(a, target, tok, bs)
     evaluator = Evaluator(target, drafter, data["eval_tokens"], data["eval_anchors"], bs, mask_id)
     stream, greedy = data["stream"], data["greedy"]
-    decay = [p for p in drafter.parameters() if p.dim() >= 2]
-    no_decay = [p for p in drafter.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95))
-    state = load_train_state(a.out, drafter, opt)
-    step, log = (state["step"], state["log"]) if state else (0, [])
+    opt, step, log = optimizer_and_state(a, drafter)
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(f"drafter params {n_params:,}; {'resumed at step %d' % step if state else 'from scratch'}; "
+    print(f"drafter params {n_params:,}; {'resumed at step %d' % step if step else 'from scratch'}; "
           f"objective {a.objective} gamma {a.gamma} kl {a.kl_weight}", flush=True)
-    if not state:
+    if not step:
         log.append(dict(step=0, **evaluator(drafter)))
         print(json.dumps(log[-1]), flush=True)
     n_greedy = int(round(a.batch * a.greedy_share))
-    bar = tqdm(total=a.steps, initial=step, desc=f"drafter ({a.objective})", dynamic_ncols=True, mininterval=10)
-    losses, t_last = [], time.time()
-    drafter.train()
-    stop = min(a.steps, a.stop_at or a.steps)
-    while step < stop:
-        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)  # the batch is a function of (seed, step)
+
+    def loss_of(g):
         rows = []
         if a.batch - n_greedy:
             starts = torch.randint(0, stream.numel() - a.seq, (a.batch - n_greedy,), generator=g)
             rows += [stream[s:s + a.seq] for s in starts.tolist()]
         if n_greedy:
             rows += list(greedy[torch.randint(0, greedy.shape[0], (n_greedy,), generator=g)])
-        tokens = torch.stack(rows)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, a.steps, a.lr, a.warmup)
-        loss, valid_share = batch_loss(a, drafter, target, tokens, g, bs, mask_id)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        step += 1
-        losses.append(loss.item())
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % a.eval_every == 0 or step == stop:
-            drafter.eval()
-            entry = dict(step=step, loss=round(sum(losses) / len(losses), 4), valid=round(valid_share, 3),
-                         s_per_step=round((time.time() - t_last) / len(losses), 2),
-                         minutes=round((time.time() - t_start) / 60, 2), **evaluator(drafter))
-            drafter.train()
-            log.append(entry)
-            bar.write(json.dumps(entry))
-            losses, t_last = [], time.time()
-        if step % a.save_every == 0 or step == stop:
-            save_train_state(a.out, drafter, opt, dict(step=step, log=log, args=vars(a)))
-    bar.close()
-    final_dir = os.path.join(a.out, "final")
-    dtype = torch.bfloat16 if a.save_dtype == "bfloat16" else torch.float32
-    config["torch_dtype"] = a.save_dtype
-    save_checkpoint(final_dir, config, zlab_weights(drafter, dtype))
-    write_json_file(os.path.join(final_dir, "training_log.json"), dict(args=vars(a), params=n_params, log=log), 1)
+        return batch_loss(a, drafter, target, torch.stack(rows), g, bs, mask_id)
+
+    t_last = time.time()
+
+    def entry_of(since):
+        nonlocal t_last
+        entry = dict(loss=round(sum(loss for loss, _ in since) / len(since), 4), valid=round(since[-1][1], 3),
+                     s_per_step=round((time.time() - t_last) / len(since), 2),
+                     minutes=round((time.time() - t_start) / 60, 2), **evaluator(drafter))
+        t_last = time.time()
+        return entry
+
+    train_steps(a, drafter, opt, step, log, min(a.steps, a.stop_at or a.steps), loss_of, entry_of,
+                f"drafter ({a.objective})", mininterval=10)
+    final_dir = save_final(a, config, lambda dtype: zlab_weights(drafter, dtype), dict(params=n_params, log=log))
     print(f"wrote {final_dir} ({(time.time() - t_start) / 60:.1f} min)", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command line
+
+
+COMMANDS = {"target": (target_options, train_target), "drafter": (drafter_options, train_drafter)}
+
+
+def parser() -> argparse.ArgumentParser:
+    """One subcommand per training; a command's --help is its run's docstring."""
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    commands = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (options, run) in COMMANDS.items():
+        doc = inspect.getdoc(run)
+        summary = " ".join(doc.split("\n\n")[0].split())
+        options(commands.add_parser(name, help=summary, description=doc, formatter_class=raw))
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    run = COMMANDS[vars(a).pop("command")][1]  # the arguments a run records are its command's own
+    torch.set_num_threads(a.threads)
+    run(a)
 
 
 if __name__ == "__main__":
