@@ -1,11 +1,12 @@
-"""scripts/core_size.py's cycle finder on planted modules: the issue's goal of no import cycles is measured by it."""
+"""`scripts/bench.py size`'s cycle finder on planted modules: the issue's goal of no import cycles is measured by
+it."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-import core_size  # noqa: E402
+import bench  # noqa: E402
 
 
 def plant(root, files: dict):
@@ -27,6 +28,6 @@ def test_the_cycle_finder_finds_planted_cycles_and_only_those(tmp_path):
         "pkg/inner.py": "import c\n",
         "tests/t.py": "import a\n",  # tests/ is no engine module
     })
-    assert core_size.import_cycles(str(tmp_path)) == [["a", "b"]]
-    assert core_size.import_cycles(str(tmp_path), deferred=True) == [["a", "b"], ["c", "d"]]
-    assert sorted(core_size.import_graph(str(tmp_path))["pkg"]) == ["c"]
+    assert bench.import_cycles(str(tmp_path)) == [["a", "b"]]
+    assert bench.import_cycles(str(tmp_path), deferred=True) == [["a", "b"], ["c", "d"]]
+    assert sorted(bench.import_graph(str(tmp_path))["pkg"]) == ["c"]
