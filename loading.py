@@ -237,16 +237,6 @@ def stacked_parts(model: nn.Module) -> dict:
     return out
 
 
-def checkpoint_tensors(model: nn.Module) -> dict:
-    """The module's state under the checkpoint's names, each stacked weight cut back into its projections."""
-    parts = stacked_parts(model)
-    state = dict(model.state_dict())
-    out = {name: state.pop(name) for name in list(state) if name not in {p for p, _, _ in parts.values()}}
-    for part, (name, start, stop) in parts.items():
-        out[part] = state[name][start:stop]
-    return out
-
-
 def load_weights(model: nn.Module, path: str, strip_prefix: str | tuple, device, dtype, optional=frozenset(),
                  skip_prefixes: tuple = (), take=None, aliases=None):
     """Stream every tensor into `dtype` on `device`, one host copy at a time, into a model built on meta, all checked

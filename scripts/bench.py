@@ -193,13 +193,25 @@ def import_cycles(root: str = ROOT, deferred: bool = False, limit: int = 100) ->
     return cycles[:limit]
 
 
-def hand_overs(root: str = ROOT) -> list[str]:
-    """The family modules families.py imports by name (families.family("name")): the core's one way to a family,
-    which no import statement shows."""
-    tree = ast.parse(open(os.path.join(root, "families.py"), encoding="utf-8").read())
-    return sorted({node.args[0].value for node in ast.walk(tree)
-                   if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "family"
-                   and node.args and isinstance(node.args[0], ast.Constant)})
+def hand_overs(root: str = ROOT) -> dict[str, list[str]]:
+    """{module imported by name: the engine modules that name it}: every families.family("name") call (family("name")
+    inside families.py), the core's one way to a family or an optional module, which no import statement shows."""
+    found = {}
+    for module, files in engine_modules(root).items():
+        for file in files:
+            tree = ast.parse(open(file, encoding="utf-8").read())
+            for node in ast.walk(tree):
+                func = node.func if isinstance(node, ast.Call) else None
+                by_name = getattr(func, "id", None) == "family" or (
+                    getattr(func, "attr", None) == "family" and getattr(func.value, "id", None) == "families")
+                if by_name and node.args and isinstance(node.args[0], ast.Constant):
+                    found.setdefault(node.args[0].value, set()).add(module)
+    return {name: sorted(modules) for name, modules in sorted(found.items())}
+
+
+def all_lines(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
 
 
 def measure(root: str = ROOT) -> dict:
@@ -211,7 +223,8 @@ def measure(root: str = ROOT) -> dict:
     return {"imported": engine, "imported_lines": sum(engine.values()), "seam": seam,
             "seam_lines": sum(seam.values()), "cycles": import_cycles(root),
             "cycles_deferred": import_cycles(root, deferred=True), "core": core,
-            "core_lines": sum(core.values()), "hand_overs": hand_overs(root)}
+            "core_lines": sum(core.values()),
+            "core_all_lines": sum(all_lines(os.path.join(root, f)) for f in CORE), "hand_overs": hand_overs(root)}
 
 
 def print_size(r: dict):
@@ -226,8 +239,9 @@ def print_size(r: dict):
           f"{len(r['cycles_deferred'])} with the imports deferred into functions")
     for cycle in r["cycles_deferred"]:
         print("   " + " -> ".join(cycle + cycle[:1]) + ("" if cycle in r["cycles"] else "   (deferred)"))
-    print(f"   families.py hands over by name to: {', '.join(r['hand_overs'])}")
-    print(f"3. the core six files: {r['core_lines']} non-blank lines")
+    print("   imported by name (families.family; no edge above): " +
+          ", ".join(f"{name} (from {', '.join(by)})" for name, by in r["hand_overs"].items()))
+    print(f"3. the core six files: {r['core_lines']} non-blank lines, {r['core_all_lines']} with blank lines")
     for f, n in r["core"].items():
         print(f"   {f:<24} {n:>6}")
 

@@ -370,10 +370,10 @@ def compare(path: str, prompt: list, new: int, repeats: int):
 def transformers_twin(target: Qwen3):
     """transformers' Qwen3ForCausalLM on `target`'s own weights (a plain Qwen3: no hybrid, no MoE), sharing their
     memory: built on the meta device, then given views of the target's tensors under the checkpoint's names
-    (loading.checkpoint_tensors: a stacked projection's rows are the projection), so an 8B pair needs no second
+    (checkpoints.checkpoint_tensors: a stacked projection's rows are the projection), so an 8B pair needs no second
     copy. Its rotary table is made on the target's device, as from_pretrained makes it."""
     import transformers
-    from loading import checkpoint_tensors
+    from checkpoints import checkpoint_tensors
     c, device = target.config, target.embed_tokens.weight.device
     config = transformers.Qwen3Config(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,

@@ -233,10 +233,20 @@ def zlab_config(target_config: dict, layers: int, block_size: int, mask_token_id
     return c
 
 
+def checkpoint_tensors(model: torch.nn.Module) -> dict:
+    """The module's state under the checkpoint's names, each stacked weight cut back into its projections."""
+    from loading import stacked_parts
+    parts = stacked_parts(model)
+    state = dict(model.state_dict())
+    out = {name: state.pop(name) for name in list(state) if name not in {p for p, _, _ in parts.values()}}
+    for part, (name, start, stop) in parts.items():
+        out[part] = state[name][start:stop]
+    return out
+
+
 def zlab_weights(drafter: torch.nn.Module, dtype=torch.float32) -> dict:
     """A drafter.DFlashDrafter's tensors under z-lab's names (layers.{i}.*, fc.weight, hidden_norm.weight,
     norm.weight)."""
-    from loading import checkpoint_tensors
     return {k: v.detach().to(dtype).contiguous().clone() for k, v in checkpoint_tensors(drafter).items()}
 
 

@@ -41,11 +41,11 @@ for p in (HERE, ROOT):
         sys.path.insert(0, p)
 
 from checkpoints import (CHAT_TEMPLATE, add_training_options, as_dflash2, atomic_write, load_train_state,  # noqa: E402
-                         qwen3_config, save_checkpoint, save_train_state, stdlib_files, train_tokenizer,
-                         write_json_file, zlab_config, zlab_weights)
+                         checkpoint_tensors, qwen3_config, save_checkpoint, save_train_state, stdlib_files,
+                         train_tokenizer, write_json_file, zlab_config, zlab_weights)
 from dflash2 import DFlash2Config, DFlash2Drafter, walk_lattice  # noqa: E402
 from drafter import DFlashConfig, DFlashDrafter  # noqa: E402
-from loading import check_pair, checkpoint_tensors, read_json  # noqa: E402
+from loading import check_pair, read_json  # noqa: E402
 from model import Qwen3, Qwen3Config, apply_rope, rope_cos_sin  # noqa: E402
 
 HELD_OUT_EVERY = 20

@@ -31,3 +31,14 @@ def test_the_cycle_finder_finds_planted_cycles_and_only_those(tmp_path):
     assert bench.import_cycles(str(tmp_path)) == [["a", "b"]]
     assert bench.import_cycles(str(tmp_path), deferred=True) == [["a", "b"], ["c", "d"]]
     assert sorted(bench.import_graph(str(tmp_path))["pkg"]) == ["c"]
+
+
+def test_the_hand_overs_by_name_are_listed_with_who_names_them(tmp_path):
+    plant(tmp_path, {
+        "families.py": "import importlib\ndef family(name):\n    return importlib.import_module(name)\n"
+                       "def rope():\n    return family('rope')\n",
+        "core.py": "import families\ndef auto():\n    return families.family('budget').x\n",
+        "other.py": "def f(family):\n    return family.name('nope'), getattr(family, 'x')\n",  # not a hand-over
+        "tests/t.py": "import families\nfamilies.family('tested')\n",  # tests/ is no engine module
+    })
+    assert bench.hand_overs(str(tmp_path)) == {"budget": ["core"], "rope": ["families"]}

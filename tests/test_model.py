@@ -29,7 +29,7 @@ import loading
 import regions
 from conftest import WeightReads, causal, written_once
 from model import Qwen3
-from scripts.checkpoints import layer_weights, qwen3_config, save_checkpoint
+from scripts.checkpoints import checkpoint_tensors, layer_weights, qwen3_config, save_checkpoint
 from tree_attn import PrefixMask
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,7 +214,7 @@ def test_stacked_projections_read_and_write_the_checkpoints_tensors(ckpt):
     attn = m.layers[0].self_attn
     assert set(attn.qkv_proj.parts) == {"q_proj", "k_proj", "v_proj"} and not hasattr(attn, "k_proj")
     stored = load_file(os.path.join(path, "model.safetensors"))
-    written = loading.checkpoint_tensors(m)
+    written = checkpoint_tensors(m)
     assert set(written) == {k.removeprefix("model.") for k in stored}
     assert all(torch.equal(written[k.removeprefix("model.")], v) for k, v in stored.items())
 

@@ -18,11 +18,11 @@ from conftest import (PAIR_VOCAB, HostReads, compiled_equals_eager, pair_config,
                       write_target)
 from ddtree import Engine, Speculation, generate, generate_batch
 from drafter import DFlashDrafter
-from loading import checkpoint_tensors, default_target_layer_ids
+from loading import default_target_layer_ids
 from model import Attention, Linear, Qwen3
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from checkpoints import dflash_config, random_dflash_weights, save_checkpoint  # noqa
+from checkpoints import checkpoint_tensors, dflash_config, random_dflash_weights, save_checkpoint  # noqa
 from sampler import Sampling
 from cli import grouped
 
