@@ -617,12 +617,12 @@ class AutoBudget:
                 for c in self.engines})
 
 
-def tally(budgets: tuple, engine, draft, room, tokens, path, length, next_token) -> torch.Tensor:
+def tally(budgets: tuple, drafter, draft, room, tokens, path, length, next_token) -> torch.Tensor:
     """A tree round's observation for budget auto, made inside the compiled round (Engine's `tally`):
     [N, len(budgets) + 1], the drafts each of `budgets` and the chain (greedy_chain of the round's draft) would have
     accepted this round, read off this one verified tree (the trees are nested)."""
     within = accepted_within(path, length, budgets)
-    chain = chain_accepted(greedy_chain(engine.drafter, draft, room), tokens, path, length, next_token)
+    chain = chain_accepted(greedy_chain(drafter, draft, room), tokens, path, length, next_token)
     return torch.cat([within, chain[:, None]], dim=1)
 
 

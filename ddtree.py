@@ -233,7 +233,8 @@ class Engine:
         # its features to the drafter's context.
         self.commit(start, path, length, positions, features, recurrent)
         tree = (tokens, parents, depths, path) if self.spec.show_tree else None
-        tally = None if self.tally is None else self.tally(self, draft_logits, room, tokens, path, length, next_token)
+        tally = None if self.tally is None else self.tally(self.drafter, draft_logits, room, tokens, path, length,
+                                                         next_token)
         return rows.gather(1, path), length, next_token, ok, tree, tally
 
     def draft(self, bonus, start):
