@@ -1,6 +1,6 @@
-"""Which family modules (moe, hybrid, rope, tp, gemma4, dflash2) a target needs, from config.json and torchrun's
-environment, and their application after the dense Qwen3 is built; each imported only when needed
-(docs/families.md)."""
+"""Which family modules (moe, hybrid, rope, tp, gemma4, dflash2, drafter_options, multimodal) a checkpoint needs,
+from config.json and torchrun's environment, and their application after the dense Qwen3 is built; each imported
+only when needed (docs/families.md)."""
 
 import importlib
 import os
@@ -10,7 +10,8 @@ from loading import dense_fields, dflash_architecture, plain_rope_given
 
 
 def family(name: str):
-    """The family module `name`, imported by name so that no import statement leads from the core to a family."""
+    """The module `name` (a family, or an optional part such as budget), imported by name so that no import
+    statement leads from the core to it."""
     return importlib.import_module(name)
 
 
