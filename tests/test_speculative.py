@@ -193,12 +193,13 @@ def test_compiled_equals_eager_without_recompiles(models):
 @pytest.fixture(scope="module")
 def frozen_pair(tmp_path_factory):
     """For the max-autotune test: the shared pair's recipe with fewer layers (target 2, drafter 1; the same shapes
-    per layer), its drafter of a seed whose drafts are often accepted, and a second target of that shape with other
+    per layer), its drafter of block 4 (the rows of the target's verify at B = 3: one set of matmul shapes for
+    both to autotune) and of a seed whose drafts are often accepted, and a second target of that shape with other
     weights. A frozen graph inlines every layer and is compiled per engine, so its compiling grows with the layers."""
     root, tc = tmp_path_factory.mktemp("frozen-pair"), pair_config(layers=2)
     for name, seed in (("target", 0), ("other", 5)):
         write_target(str(root / name), tc, seed=seed)
-    write_drafter(str(root / "draft"), tc, layers=1, seed=35)
+    write_drafter(str(root / "draft"), tc, layers=1, block_size=4, seed=35)
     return (Qwen3.from_pretrained(str(root / "target"), device="cpu"),
             Qwen3.from_pretrained(str(root / "other"), device="cpu"),
             DFlashDrafter.from_pretrained(str(root / "draft"), device="cpu"))
