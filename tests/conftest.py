@@ -21,23 +21,27 @@ def pytest_configure(config):
                             "ignore:flex_attention called without torch.compile:UserWarning")
 
 
-# The files that take longest (compiling, processes of their own), longest first. The two workers (pytest.ini) take
-# whole files in collection order, each the next as it finishes one: a long file taken late would end the run alone
-# while the other worker idles, so these go first and the rest follow by their number of tests, many first
-# (pytest-xdist's own order, which pytest.ini turns off for this one).
-LONGEST_FIRST = ("test_speculative.py", "test_budget.py", "test_compiled_acceptance.py", "test_hybrid_generate.py",
-                 "test_tp.py", "test_generate.py", "test_stat.py", "test_bench_datasets.py", "test_gpu_check.py",
-                 "test_bench.py", "test_moe.py", "test_graph_pool.py")
+# Every test file, longest first (each alone, its compiling included: tests/README.md has the times). The two workers
+# (pytest.ini) take whole files in collection order, each the next as it finishes one: a long file taken late would
+# end the run alone while the other worker idles, so the long ones go first and the short ones last. A file not
+# listed goes first (its time unknown, it is taken while the other worker still has long files to run).
+LONGEST_FIRST = ("test_speculative.py", "test_budget.py", "test_reliability.py", "test_compiled_acceptance.py",
+                 "test_moe.py", "test_draft_window.py", "test_hybrid_generate.py", "test_tp.py", "test_cpu.py",
+                 "test_tree_attn.py", "test_gpu_check.py", "test_stat.py", "test_model.py", "test_bench_datasets.py",
+                 "test_draft_tree.py", "test_hybrid_model.py", "test_lattice.py", "test_gated_delta.py",
+                 "test_batch.py", "test_generate.py", "test_gemma4.py", "test_bench.py", "test_training.py",
+                 "test_rope_scaling.py", "test_sampler.py", "test_dflash_reference.py", "test_graph_pool.py",
+                 "test_memory.py", "test_core_size.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files in LONGEST_FIRST's order, then the others by their number of tests, many first; within a file the
-    tests keep their order."""
+    """Files not in LONGEST_FIRST first, by their number of tests, many first; then LONGEST_FIRST's order; within a
+    file the tests keep their order."""
     counts = {}
     for item in items:
         counts[item.path.name] = counts.get(item.path.name, 0) + 1
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], item.path.name))
+    items.sort(key=lambda item: (rank.get(item.path.name, -1), -counts[item.path.name], item.path.name))
 
 
 @pytest.fixture(scope="session", autouse=True)
