@@ -31,7 +31,7 @@ LONGEST_FIRST = ("test_speculative.py", "test_budget.py", "test_reliability.py",
                  "test_draft_tree.py", "test_hybrid_model.py", "test_lattice.py", "test_gated_delta.py",
                  "test_batch.py", "test_generate.py", "test_gemma4.py", "test_bench.py", "test_training.py",
                  "test_rope_scaling.py", "test_sampler.py", "test_dflash_reference.py", "test_graph_pool.py",
-                 "test_memory.py", "test_core_size.py")
+                 "test_memory.py", "test_drafter_options.py", "test_core_size.py")
 
 
 def pytest_collection_modifyitems(config, items):
