@@ -23,7 +23,7 @@ import regions
 from families import text_config
 from loading import (check_layer_count, eos_ids_of, load_weights, on_meta, parse_device, parse_dtype, read_json,
                      resolve_checkpoint, tie_or_keep_head)
-from model import Linear, allocate_kv_caches, rope_cos_sin
+from model import Linear, rope_cos_sin
 from moe import checkpoint_places
 from rope import rope_frequencies
 from tree_attn import BLOCK, flex_kernel_options, prefix_block_mask
@@ -303,11 +303,8 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(n, q_len, self.heads * self.head_dim)
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, parts={"gate_proj": inter, "up_proj": inter})
-        self.down_proj = Linear(inter, hidden)
+class MLP(model.MLP):
+    """Qwen3's gated MLP with Gemma's gate activation, GELU (tanh approximation)."""
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -427,21 +424,10 @@ class Gemma4(nn.Module):
         self.eos_ids: list[int] = []
         self.path: str | None = None
 
-    @property
-    def device(self):
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self):
-        return self.embed_tokens.weight.dtype
-
-    def setup_cache(self, length: int, batch: int = 1):
-        """Full-length K/V caches, one pair per layer (each with its own heads and head size)."""
-        allocate_kv_caches(self.layers, length, self.dtype, self.device, batch)
-
-    def kv_caches(self):
-        for layer in self.layers:
-            yield from (layer.self_attn.k_cache, layer.self_attn.v_cache)
+    # Target members that read only embed_tokens and the layers' K/V caches (full length, one pair per layer, each
+    # with its own heads and head size): the dense Qwen3's own, shared rather than inherited (a Gemma is no Qwen3).
+    device, dtype, setup_cache, kv_caches = model.Qwen3.device, model.Qwen3.dtype, model.Qwen3.setup_cache, \
+        model.Qwen3.kv_caches
 
     def embed(self, tokens):
         # As transformers: sqrt(hidden) as a float32 buffer cast to the weights' dtype (73.5 for 5376 in bfloat16).
